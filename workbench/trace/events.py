@@ -1,0 +1,300 @@
+"""Every trace event kind, as typed frozen records (the schema of a `.wbtrace` file).
+
+This module owns the event vocabulary shared by the engine (which emits), the store (which writes),
+the reader, replay, diff, export and every viewer (which read). It imports only the standard
+library. Each record has a `kind`, the engine `step` it belongs to, the `req_id` it concerns (None
+for batch-level events), a monotonic time `t` (seconds, `time.perf_counter()`), and payload fields.
+
+JSON form (lossless): `{"kind": ..., "step": ..., "req_id": ..., "t": ..., "payload": {...}}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+SCHEMA_VERSION = 1
+
+# Trace levels. `off` records nothing and costs nothing; `summary` records every event below;
+# `full` adds full tensors (logits vectors) to the tensors table.
+LEVELS = ("off", "summary", "full")
+
+
+def level_value(level: str) -> int:
+    """Map a level name to its rank (off=0, summary=1, full=2); ValueError names the allowed set."""
+    if level not in LEVELS:
+        raise ValueError(f"trace_level must be one of {LEVELS}, got {level!r}")
+    return LEVELS.index(level)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    """Base of every trace record: kind, step, request and monotonic time."""
+
+    kind: ClassVar[str] = "event"
+    step: int
+    req_id: str | None = None
+    t: float = 0.0
+
+    def payload(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.name in ("step", "req_id", "t"):
+                continue
+            out[f.name] = getattr(self, f.name)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "step": self.step, "req_id": self.req_id, "t": self.t,
+                "payload": self.payload()}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=True)
+
+
+# --- request lifecycle -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestAdded(Event):
+    """A request entered the engine: its prompt, prompt token ids and sampling parameters."""
+
+    kind: ClassVar[str] = "request.added"
+    prompt: Any = None  # the text, or the chat as a list of {"role", "content"}
+    prompt_ids: list[int] = field(default_factory=list)
+    params: dict[str, Any] = field(default_factory=dict)
+    parent_id: str | None = None  # for n > 1: the request whose prompt this one shares
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestFinished(Event):
+    """A request left the engine: final text, finish reason with evidence, usage and timings."""
+
+    kind: ClassVar[str] = "request.finished"
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: Any = None
+    evidence: dict[str, Any] | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, Any] = field(default_factory=dict)
+    spec: dict[str, Any] | None = None  # speculative-decoding metrics of this request
+    error: str | None = None
+
+
+# --- scheduling and memory -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduleDecision(Event):
+    """What the scheduler chose this step: queues, prefill chunks, decodes, preemptions, budget."""
+
+    kind: ClassVar[str] = "schedule"
+    mode: str = "IDLE"
+    waiting: list[str] = field(default_factory=list)  # still waiting after this decision
+    running: list[str] = field(default_factory=list)  # every request holding KV after this decision
+    prefill: list[dict[str, Any]] = field(default_factory=list)  # {req_id, start, length, last_chunk}
+    decode: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    rejected: list[dict[str, Any]] = field(default_factory=list)  # {req_id, reason}
+    token_budget: int = 0
+    tokens_scheduled: int = 0
+    kv_used: int = 0
+    kv_total: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVEvent(Event):
+    """An explicit KV-slot operation: allocate, free (finish/abort/preempt) or spec rollback."""
+
+    kind: ClassVar[str] = "kv"
+    op: str = "alloc"  # alloc | free | rollback
+    slots: list[int] = field(default_factory=list)
+    reason: str = ""
+    kv_used: int = 0
+    kv_total: int = 0
+
+
+# --- forward ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForwardBatchBuilt(Event):
+    """The ForwardBatch handed to the ModelRunner, with every field and each request's slice."""
+
+    kind: ClassVar[str] = "forward_batch"
+    forward_mode: str = "IDLE"
+    batch_size: int = 0
+    input_ids: list[int] = field(default_factory=list)
+    req_pool_indices: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    out_cache_loc: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    extend_prefix_lens: list[int] = field(default_factory=list)
+    extend_seq_lens: list[int] = field(default_factory=list)
+    return_logprob: bool = False
+    top_logprobs_nums: list[int] = field(default_factory=list)
+    req_ids: list[str] = field(default_factory=list)
+    sampling_info: list[dict[str, Any]] = field(default_factory=list)  # per request, compact
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForwardDone(Event):
+    """The model forward finished: its mode, size and wall time in milliseconds."""
+
+    kind: ClassVar[str] = "forward"
+    forward_mode: str = "IDLE"
+    num_tokens: int = 0
+    batch_size: int = 0
+    forward_ms: float = 0.0
+    sample_ms: float = 0.0
+    model: str = "target"  # target | draft
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Logits(Event):
+    """Summary of one request's logits row: top-k ids and values, entropy, max, and the tensor name at level full."""
+
+    kind: ClassVar[str] = "logits"
+    position: int = 0  # output index of the token these logits choose
+    top_ids: list[int] = field(default_factory=list)
+    top_logits: list[float] = field(default_factory=list)
+    entropy: float = 0.0
+    tensor: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingStages(Event):
+    """The distribution after every sampling stage for one request: top-k probs, kept mass, chosen token and draw."""
+
+    kind: ClassVar[str] = "sampling"
+    position: int = 0
+    # each stage: {"name", "top_ids", "top_probs", "kept_mass", "kept_count", "entropy", "applied"}
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    chosen: int = -1
+    greedy: bool = True
+    draw: float | None = None  # the uniform draw used by the sampler (None for greedy)
+    seeded: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenChosen(Event):
+    """A token appended to a request's output: id, text, logprob, rank and the top alternatives."""
+
+    kind: ClassVar[str] = "token"
+    position: int = 0
+    token_id: int = -1
+    text: str = ""
+    logprob: float | None = None
+    rank: int | None = None
+    top_logprobs: list[list[Any]] = field(default_factory=list)  # [[token_id, logprob, text], ...]
+    source: str = "sample"  # sample | spec_accept | spec_recover | spec_bonus
+
+
+# --- speculative decoding --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpecDraft(Event):
+    """Draft tokens proposed for one request, with the drafter's probability q of each."""
+
+    kind: ClassVar[str] = "spec.draft"
+    drafter: str = ""
+    tokens: list[int] = field(default_factory=list)
+    q: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpecVerify(Event):
+    """Verification of one request's drafts: p, q, u and accept/reject per position, the extra token, freed slots."""
+
+    kind: ClassVar[str] = "spec.verify"
+    draft_tokens: list[int] = field(default_factory=list)
+    p: list[float] = field(default_factory=list)
+    q: list[float] = field(default_factory=list)
+    u: list[float | None] = field(default_factory=list)
+    accepted: list[bool] = field(default_factory=list)
+    num_accepted: int = 0
+    extra_token: int | None = None
+    extra_kind: str = ""  # recovered | bonus | target (greedy)
+    target_argmax: list[int] = field(default_factory=list)
+    freed_slots: list[int] = field(default_factory=list)
+    greedy: bool = True
+
+
+# --- output processing -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DetokState(Event):
+    """The incremental detokenizer after this step: new ids, offsets, held-back text and why, emitted delta."""
+
+    kind: ClassVar[str] = "detok"
+    new_ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+    decoded_len: int = 0
+    held_text: str = ""
+    held_reason: str | None = None  # None | incomplete_char | possible_stop
+    delta: str = ""
+    stop_matched: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FinishDecision(Event):
+    """Every finish check made for one request this step, in order, with inputs and result."""
+
+    kind: ClassVar[str] = "finish"
+    # each check: {"name", "inputs", "result"}; result True means the check fired
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    evidence: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stamp(Event):
+    """A latency hand-off of one request on the engine's monotonic clock (arrival, tokenized, sampled, ...)."""
+
+    kind: ClassVar[str] = "stamp"
+    stage: str = ""
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineError(Event):
+    """A failure inside a step, with the requests it ended."""
+
+    kind: ClassVar[str] = "error"
+    message: str = ""
+    affected: list[str] = field(default_factory=list)
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.kind: cls
+    for cls in (
+        RequestAdded, RequestFinished, ScheduleDecision, KVEvent, ForwardBatchBuilt, ForwardDone,
+        Logits, SamplingStages, TokenChosen, SpecDraft, SpecVerify, DetokState, FinishDecision,
+        Stamp, EngineError,
+    )
+}
+
+
+def event_from_json(obj: dict[str, Any]) -> Event:
+    """Rebuild a typed event from its JSON form; unknown kinds or fields raise ValueError."""
+    try:
+        cls = EVENT_TYPES[obj["kind"]]
+    except KeyError as exc:
+        raise ValueError(f"unknown event kind {obj.get('kind')!r}") from exc
+    payload = obj.get("payload") or {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    extra = set(payload) - names
+    if extra:
+        raise ValueError(f"event kind {cls.kind!r} has no fields {sorted(extra)}")
+    return cls(step=int(obj["step"]), req_id=obj.get("req_id"), t=float(obj.get("t", 0.0)), **payload)
+
+
+def event_loads(text: str) -> Event:
+    return event_from_json(json.loads(text))
