@@ -1,0 +1,437 @@
+"""Reading `.wbtrace` files: `open_trace(path) -> Trace`.
+
+Owns: validating an untrusted file (every failure is one `TraceError` with a one-line message),
+lazy access to steps, events, requests, timelines, tensors and pandas frames, and following a file
+that is still being written. Never writes: the file is opened read-only. Does not own the layout
+(store.py) or what events mean (events.py). pandas is imported only inside the `*_frame` methods.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from workbench.trace.events import (
+    SCHEMA_VERSION,
+    Event,
+    RequestAdded,
+    RequestFinished,
+    TokenChosen,
+    event_from_json,
+)
+from workbench.trace.store import FORMAT, STEP_COLUMNS
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+_EVENT_COLUMNS = "id, step, req_id, kind, t, payload"
+_CHUNK = 2000  # rows fetched per round trip while iterating
+_TOKEN_COLUMNS = ["req_id", "position", "step", "token_id", "text", "logprob", "rank", "source", "t"]
+
+
+class TraceError(ValueError):
+    """A file that cannot be read as a workbench trace; str(e) is a one-line message for users."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    """The summary of one engine step (a row of the `steps` table)."""
+
+    step: int
+    mode: str | None
+    batch_size: int
+    num_tokens: int
+    output_tokens: int
+    forward_ms: float
+    kv_used: int | None
+    kv_total: int | None
+    req_ids: tuple[str, ...]
+    t_start: float | None
+    t_end: float | None
+    first_id: int | None
+    last_id: int | None
+    num_events: int
+    spec_proposed: int
+    spec_accepted: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """One request as recorded by its `request.added` and (when it finished) `request.finished` events."""
+
+    req_id: str
+    added: RequestAdded | None
+    finished: RequestFinished | None
+
+    @property
+    def arrival_step(self) -> int | None:
+        return self.added.step if self.added else None
+
+    @property
+    def finish_step(self) -> int | None:
+        return self.finished.step if self.finished else None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.finished.finish_reason if self.finished else None
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    """Everything recorded about one request, in order: its events, its tokens, the steps that ran it."""
+
+    req_id: str
+    events: list[Event]
+    tokens: list[TokenChosen]
+    steps: list[int]
+    added: RequestAdded | None
+    finished: RequestFinished | None
+
+
+def open_trace(path: str | os.PathLike[str]) -> Trace:
+    """Open a `.wbtrace` file read-only; raise TraceError if it is not a readable workbench trace."""
+    return Trace(path)
+
+
+class Trace:
+    """A read-only, lazy view of one trace file. Use as a context manager or call `close()`."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self.name = os.path.basename(self.path)
+        _check_file(self.path, self.name)
+        uri = "file:" + urllib.parse.quote(os.path.abspath(self.path)) + "?mode=ro"
+        self._lock = threading.RLock()
+        self._steps: list[StepInfo] | None = None
+        try:
+            self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise TraceError(f"{self.name}: cannot open trace file ({exc})") from None
+        try:
+            self.meta: dict[str, Any] = self._load_meta()
+            self.schema_version: int = self._check_meta()
+            self._last_id = self._query_one("SELECT coalesce(max(id), 0) FROM events")
+        except BaseException:
+            self._conn.close()
+            raise
+
+    # --- opening ---------------------------------------------------------------------------------
+
+    def _load_meta(self) -> dict[str, Any]:
+        tables = {r[0] for r in self._query("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        columns = {r[1] for r in self._query("PRAGMA table_info(meta)")} if "meta" in tables else set()
+        if not {"key", "value"} <= columns:
+            raise TraceError(f"{self.name}: not a workbench trace (an SQLite database without a trace meta table)")
+        marker = self._query_one("SELECT value FROM meta WHERE key = 'format'")
+        if marker != json.dumps(FORMAT):
+            raise TraceError(f"{self.name}: not a workbench trace (no '{FORMAT}' format marker)")
+        try:
+            meta = {key: json.loads(value) for key, value in self._query("SELECT key, value FROM meta")}
+        except (TypeError, ValueError) as exc:
+            raise TraceError(f"{self.name}: corrupt trace file (unreadable meta: {exc})") from None
+        missing = {"events", "steps", "tensors"} - tables
+        if missing and _is_version(meta.get("schema_version")) and meta["schema_version"] <= SCHEMA_VERSION:
+            raise TraceError(f"{self.name}: corrupt trace file (missing tables {sorted(missing)})")
+        return meta
+
+    def _check_meta(self) -> int:
+        version = self.meta.get("schema_version")
+        if not _is_version(version):
+            raise TraceError(f"{self.name}: corrupt trace file (schema_version is {version!r})")
+        if version > SCHEMA_VERSION:
+            raise TraceError(
+                f"{self.name}: trace schema version {version} is newer than this workbench reads "
+                f"(up to {SCHEMA_VERSION}); upgrade llm-engine-workbench")
+        return int(version)
+
+    # --- low level -------------------------------------------------------------------------------
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        try:
+            with self._lock:
+                yield
+        except sqlite3.DatabaseError as exc:
+            raise TraceError(f"{self.name}: corrupt trace file ({exc})") from None
+        except sqlite3.ProgrammingError as exc:
+            raise TraceError(f"{self.name}: trace is closed ({exc})") from None
+
+    def _query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        with self._errors():
+            return self._conn.execute(sql, params).fetchall()
+
+    def _query_one(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        rows = self._query(sql, params)
+        return rows[0][0] if rows else None
+
+    def _iter_rows(self, sql: str, params: Sequence[Any]) -> Iterator[tuple[Any, ...]]:
+        with self._errors():
+            cursor = self._conn.execute(sql, params)
+        while True:
+            with self._errors():
+                rows = cursor.fetchmany(_CHUNK)
+            if not rows:
+                return
+            yield from rows
+
+    def _event(self, row: tuple[Any, ...]) -> Event:
+        event_id, step, req_id, kind, t, payload = row
+        obj = {"kind": kind, "step": step, "req_id": req_id, "t": t, "payload": self._payload(event_id, payload)}
+        try:
+            return event_from_json(obj)
+        except (TypeError, ValueError) as exc:
+            raise TraceError(f"{self.name}: corrupt event #{event_id} ({exc})") from None
+
+    def _payload(self, event_id: int, text: Any) -> dict[str, Any]:
+        try:
+            payload = json.loads(text)
+        except (TypeError, ValueError) as exc:
+            raise TraceError(f"{self.name}: corrupt event #{event_id} ({exc})") from None
+        if not isinstance(payload, dict):
+            raise TraceError(f"{self.name}: corrupt event #{event_id} (payload is not an object)")
+        return payload
+
+    # --- steps -----------------------------------------------------------------------------------
+
+    @property
+    def num_steps(self) -> int:
+        """How many steps recorded at least one event."""
+        return len(self.steps())
+
+    @property
+    def num_events(self) -> int:
+        """How many events the file held when it was opened or last refreshed."""
+        return int(self._last_id)
+
+    @property
+    def finished(self) -> bool:
+        """True when the writer closed the file normally (False while live, or after a crash)."""
+        return bool(self.meta.get("finished"))
+
+    def steps(self) -> list[StepInfo]:
+        """Every step's summary, in step order (read once, until `refresh()`)."""
+        if self._steps is None:
+            rows = self._query(f"SELECT {', '.join(STEP_COLUMNS)} FROM steps ORDER BY step")
+            self._steps = [_step_info(row, self.name) for row in rows]
+        return self._steps
+
+    def step(self, n: int) -> list[Event]:
+        """The events of step `n`, in emission order (empty if the step recorded nothing)."""
+        rows = self._query(f"SELECT {_EVENT_COLUMNS} FROM events WHERE step = ? ORDER BY id", (int(n),))
+        return [self._event(row) for row in rows]
+
+    # --- events ----------------------------------------------------------------------------------
+
+    def events(self, kind: str | Sequence[str] | None = None, req_id: str | None = None,
+               step_range: tuple[int, int] | None = None, limit: int | None = None) -> Iterator[Event]:
+        """Typed events matching every filter given, in (step, emission) order.
+
+        `kind`: one kind or a list of kinds; `req_id`: one request; `step_range=(a, b)`: steps a
+        through b inclusive; `limit`: at most this many. Rows are read in chunks as you iterate.
+        """
+        sql, params = _select(_EVENT_COLUMNS, kind, req_id, step_range, limit)
+        return (self._event(row) for row in self._iter_rows(sql, params))
+
+    def requests(self) -> list[RequestInfo]:
+        """Every request that was added, in arrival order, with its finish record when it has one."""
+        added: dict[str, RequestAdded] = {}
+        finished: dict[str, RequestFinished] = {}
+        for event in self.events(kind=["request.added", "request.finished"]):
+            if event.req_id is None:
+                continue
+            if isinstance(event, RequestAdded):
+                added.setdefault(event.req_id, event)
+            elif isinstance(event, RequestFinished):
+                finished[event.req_id] = event
+        ids = list(added) + [rid for rid in finished if rid not in added]
+        return [RequestInfo(rid, added.get(rid), finished.get(rid)) for rid in ids]
+
+    def timeline(self, req_id: str) -> Timeline:
+        """One request's events in order, its output tokens by position, and the steps that ran it."""
+        events = list(self.events(req_id=req_id))
+        tokens = sorted((e for e in events if isinstance(e, TokenChosen)), key=lambda e: e.position)
+        added = next((e for e in events if isinstance(e, RequestAdded)), None)
+        finished = next((e for e in reversed(events) if isinstance(e, RequestFinished)), None)
+        steps = [s.step for s in self.steps() if req_id in s.req_ids]
+        return Timeline(req_id, events, tokens, steps, added, finished)
+
+    # --- tensors ---------------------------------------------------------------------------------
+
+    def tensor_names(self, step: int | None = None, req_id: str | None = None) -> list[str]:
+        """Names of the stored tensors (level `full`), optionally of one step and/or request."""
+        sql, params = "SELECT name FROM tensors WHERE 1", []
+        if step is not None:
+            sql, params = sql + " AND step = ?", [*params, int(step)]
+        if req_id is not None:
+            sql, params = sql + " AND req_id = ?", [*params, req_id]
+        return [r[0] for r in self._query(sql + " ORDER BY step, name", params)]
+
+    def tensor(self, name: str) -> np.ndarray:
+        """Load one stored tensor as a numpy array (KeyError if there is none of that name)."""
+        rows = self._query("SELECT data FROM tensors WHERE name = ?", (name,))
+        if not rows:
+            raise KeyError(name)
+        from safetensors.numpy import load
+
+        try:
+            arrays = load(bytes(rows[0][0]))
+            return arrays["data"] if "data" in arrays else next(iter(arrays.values()))
+        except Exception as exc:  # safetensors raises its own error types for malformed bytes
+            raise TraceError(f"{self.name}: corrupt tensor {name!r} ({exc})") from None
+
+    # --- frames (pandas imported here only) ------------------------------------------------------
+
+    def steps_frame(self) -> pd.DataFrame:
+        """One row per step (the fields of StepInfo)."""
+        import pandas as pd
+
+        return pd.DataFrame([asdict(s) for s in self.steps()], columns=list(StepInfo.__slots__))
+
+    def tokens_frame(self) -> pd.DataFrame:
+        """One row per generated token: req_id, position, step, token_id, text, logprob, rank, source, t."""
+        import pandas as pd
+
+        rows = []
+        for event_id, step, req_id, _, t, payload in self._iter_rows(*_select(_EVENT_COLUMNS, "token", None, None, None)):
+            p = self._payload(event_id, payload)
+            rows.append((req_id, p.get("position"), step, p.get("token_id"), p.get("text"),
+                         p.get("logprob"), p.get("rank"), p.get("source"), t))
+        frame = pd.DataFrame(rows, columns=_TOKEN_COLUMNS)
+        return frame.astype({"position": "Int64", "step": "int64", "token_id": "Int64", "rank": "Int64",
+                             "logprob": "float64", "t": "float64"})
+
+    def events_frame(self, kind: str | Sequence[str] | None = None, req_id: str | None = None,
+                     step_range: tuple[int, int] | None = None, limit: int | None = None) -> pd.DataFrame:
+        """Events as rows (id, step, req_id, kind, t, then each payload field as a column)."""
+        import pandas as pd
+
+        records = []
+        for event_id, step, rid, k, t, payload in self._iter_rows(*_select(_EVENT_COLUMNS, kind, req_id, step_range, limit)):
+            records.append({"id": event_id, "step": step, "req_id": rid, "kind": k, "t": t, **self._payload(event_id, payload)})
+        return pd.DataFrame.from_records(records, columns=None if records else ["id", "step", "req_id", "kind", "t"])
+
+    # --- live files ------------------------------------------------------------------------------
+
+    def refresh(self) -> int:
+        """Pick up what a running writer committed since opening; return how many events are new."""
+        before = self._last_id
+        self.meta = self._load_meta()
+        self._last_id = self._query_one("SELECT coalesce(max(id), 0) FROM events")
+        self._steps = None
+        return int(self._last_id - before)
+
+    def follow(self, poll: float = 0.2, from_start: bool = False,
+               idle_timeout: float | None = None) -> Iterator[Event]:
+        """Yield events as the writer commits them (after the current end, or all with `from_start`).
+
+        Ends when the writer has closed the file and every event was yielded, or after
+        `idle_timeout` seconds without a new event.
+        """
+        last = 0 if from_start else self._last_id
+        idle_since = time.monotonic()
+        while True:
+            rows = self._query(f"SELECT {_EVENT_COLUMNS} FROM events WHERE id > ? ORDER BY id LIMIT ?", (last, _CHUNK))
+            if rows:
+                last = max(last, rows[-1][0])
+                self._last_id, self._steps, idle_since = max(self._last_id, last), None, time.monotonic()
+                yield from (self._event(row) for row in rows)
+                continue
+            finished = self._query_one("SELECT value FROM meta WHERE key = 'finished'")
+            if finished == "true":
+                if not self._query("SELECT 1 FROM events WHERE id > ? LIMIT 1", (last,)):
+                    self.meta["finished"] = True
+                    return
+                continue
+            if idle_timeout is not None and time.monotonic() - idle_since > idle_timeout:
+                return
+            time.sleep(poll)
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> Trace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Trace {self.name!r} schema={self.schema_version} events={self.num_events}>"
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+
+def _is_version(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_file(path: str, name: str) -> None:
+    """Reject what SQLite would misreport: missing, empty, foreign, or truncated files."""
+    if not os.path.exists(path):
+        raise TraceError(f"{name}: no such trace file")
+    if os.path.isdir(path):
+        raise TraceError(f"{name}: is a directory, not a trace file")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        header = f.read(100)
+    if size == 0:
+        raise TraceError(f"{name}: empty file, not a workbench trace")
+    if not header.startswith(SQLITE_MAGIC):
+        raise TraceError(f"{name}: not a workbench trace (not an SQLite database)")
+    if len(header) < 100:
+        raise TraceError(f"{name}: truncated trace file ({size} bytes)")
+    page_size = int.from_bytes(header[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    pages = int.from_bytes(header[28:32], "big")
+    header_size_valid = header[24:28] == header[92:96]
+    live = os.path.exists(path + "-wal")  # a live writer may be mid-checkpoint; SQLite checks then
+    if header_size_valid and not live and size < pages * page_size:
+        raise TraceError(f"{name}: truncated trace file ({size} of {pages * page_size} bytes)")
+
+
+def _step_info(row: tuple[Any, ...], name: str) -> StepInfo:
+    values = dict(zip(STEP_COLUMNS, row, strict=True))
+    try:
+        values["req_ids"] = tuple(json.loads(values["req_ids"] or "[]"))
+    except ValueError as exc:
+        raise TraceError(f"{name}: corrupt step {values['step']} ({exc})") from None
+    for key in ("batch_size", "num_tokens", "output_tokens", "num_events", "spec_proposed", "spec_accepted"):
+        values[key] = int(values[key] or 0)
+    values["forward_ms"] = float(values["forward_ms"] or 0.0)
+    return StepInfo(**values)
+
+
+def _select(columns: str, kind: str | Sequence[str] | None, req_id: str | None,
+            step_range: tuple[int, int] | None, limit: int | None) -> tuple[str, list[Any]]:
+    """SQL for the event filters, ordered (step, id) so that each index also gives the order."""
+    where, params = [], []
+    if isinstance(kind, str):
+        where, params = ["kind = ?"], [kind]
+    elif kind is not None:
+        kinds = list(kind)
+        where, params = [f"kind IN ({', '.join('?' * len(kinds))})"], kinds
+    if req_id is not None:
+        where.append("req_id = ?")
+        params.append(req_id)
+    if step_range is not None:
+        lo, hi = step_range
+        where.append("step BETWEEN ? AND ?")
+        params += [int(lo), int(hi)]
+    sql = f"SELECT {columns} FROM events" + (" WHERE " + " AND ".join(where) if where else "")
+    sql += " ORDER BY step, id"
+    if limit is not None:
+        sql += " LIMIT ?"
+        params.append(int(limit))
+    return sql, params

@@ -1,0 +1,336 @@
+"""The `.wbtrace` file: an SQLite database written by a background thread.
+
+Owns: the on-disk layout (tables `meta`, `events`, `steps`, `tensors`), the `TraceWriter` sink that
+fills it without making the engine thread wait on disk, and the per-step summaries the reader uses
+to open large traces instantly. Does not own: what events mean (events.py), reading (reader.py).
+
+Layout (schema version `events.SCHEMA_VERSION`):
+
+- `meta(key, value)`: JSON values. Always `format` (= "wbtrace"), `schema_version`, `created`,
+  `finished` (false until `close()`); then whatever the engine sets (config, model, requests, ...).
+- `events(id, step, req_id, kind, t, payload)`: one row per event, payload as JSON, in emission order.
+- `steps(step, mode, batch_size, num_tokens, ...)`: one summary row per step, kept in the same
+  transaction as its events, so a committed file is always self-consistent.
+- `tensors(name, step, req_id, data)`: safetensors bytes (one array under the key "data").
+
+Every queued batch is committed in one transaction (WAL, synchronous=NORMAL): a process killed with
+SIGKILL leaves a file holding every batch committed before the kill. Never pickle.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime as _dt
+import json
+import os
+import queue
+import sqlite3
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from workbench.trace.events import SCHEMA_VERSION, Event
+
+FORMAT = "wbtrace"
+APPLICATION_ID = 0x57425452  # "WBTR": lets tools recognise the file from its SQLite header
+MAX_BATCH = 4096  # queue items per transaction, so one commit never grows without bound
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events(
+    id INTEGER PRIMARY KEY, step INTEGER NOT NULL, req_id TEXT, kind TEXT NOT NULL,
+    t REAL NOT NULL, payload TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS events_step ON events(step);
+CREATE INDEX IF NOT EXISTS events_req ON events(req_id, step);
+CREATE INDEX IF NOT EXISTS events_kind ON events(kind, step);
+CREATE TABLE IF NOT EXISTS steps(
+    step INTEGER PRIMARY KEY, mode TEXT, batch_size INTEGER, num_tokens INTEGER,
+    output_tokens INTEGER, forward_ms REAL, kv_used INTEGER, kv_total INTEGER, req_ids TEXT,
+    t_start REAL, t_end REAL, first_id INTEGER, last_id INTEGER, num_events INTEGER,
+    spec_proposed INTEGER, spec_accepted INTEGER);
+CREATE TABLE IF NOT EXISTS tensors(name TEXT PRIMARY KEY, step INTEGER, req_id TEXT, data BLOB NOT NULL);
+"""
+
+STEP_COLUMNS = (
+    "step", "mode", "batch_size", "num_tokens", "output_tokens", "forward_ms", "kv_used", "kv_total",
+    "req_ids", "t_start", "t_end", "first_id", "last_id", "num_events", "spec_proposed", "spec_accepted",
+)
+
+
+def json_dumps(value: Any) -> str:
+    """Compact JSON; numpy scalars/arrays become lists, anything else unknown becomes its str()."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=True, default=_json_default)
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj, key=repr)
+    return str(obj)
+
+
+def create_schema(conn: sqlite3.Connection, meta: dict[str, Any]) -> None:
+    """Create the tables in an empty database and write the format marker and the given meta."""
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    conn.executescript(f"BEGIN; {_SCHEMA} COMMIT;")
+    base = {
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "finished": False,
+    }
+    rows = [(k, json_dumps(v)) for k, v in {**meta, **base}.items()]
+    conn.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", rows)
+
+
+@dataclass(slots=True)
+class StepSummary:
+    """The running summary of one step, folded from its events (a row of the `steps` table)."""
+
+    step: int
+    mode: str | None = None
+    batch_size: int = 0
+    num_tokens: int = 0
+    output_tokens: int = 0
+    forward_ms: float = 0.0
+    kv_used: int | None = None
+    kv_total: int | None = None
+    req_ids: list[str] = field(default_factory=list)
+    t_start: float | None = None
+    t_end: float | None = None
+    first_id: int | None = None
+    last_id: int | None = None
+    num_events: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    _batch_ids_from_forward: bool = field(default=False, repr=False)
+
+    def add(self, event_id: int, kind: str, t: float, p: dict[str, Any]) -> None:
+        """Fold one event (its kind, time and payload dict) into the summary."""
+        self.num_events += 1
+        self.first_id = event_id if self.first_id is None else min(self.first_id, event_id)
+        self.last_id = event_id if self.last_id is None else max(self.last_id, event_id)
+        self.t_start = t if self.t_start is None else min(self.t_start, t)
+        self.t_end = t if self.t_end is None else max(self.t_end, t)
+        if kind == "schedule":
+            self.mode = p.get("mode", self.mode)
+            self.num_tokens = max(self.num_tokens, int(p.get("tokens_scheduled") or 0))
+            self.kv_used, self.kv_total = p.get("kv_used"), p.get("kv_total")
+            if not self._batch_ids_from_forward:
+                prefill = [c.get("req_id") for c in p.get("prefill", []) if isinstance(c, dict)]
+                self._merge_ids(prefill + list(p.get("decode", [])))
+        elif kind == "forward_batch":
+            self.mode = self.mode or p.get("forward_mode")
+            self.batch_size = max(self.batch_size, int(p.get("batch_size") or 0))
+            self.num_tokens = max(self.num_tokens, len(p.get("input_ids") or ()))
+            if not self._batch_ids_from_forward:
+                self.req_ids, self._batch_ids_from_forward = [], True
+            self._merge_ids(p.get("req_ids") or [])
+        elif kind == "forward":
+            self.mode = self.mode or p.get("forward_mode")
+            self.forward_ms += float(p.get("forward_ms") or 0.0)
+            self.batch_size = max(self.batch_size, int(p.get("batch_size") or 0))
+            self.num_tokens = max(self.num_tokens, int(p.get("num_tokens") or 0))
+        elif kind == "kv":
+            self.kv_used, self.kv_total = p.get("kv_used"), p.get("kv_total")
+        elif kind == "token":
+            self.output_tokens += 1
+        elif kind == "spec.verify":
+            self.spec_proposed += len(p.get("draft_tokens") or ())
+            self.spec_accepted += int(p.get("num_accepted") or 0)
+
+    def _merge_ids(self, ids: list[Any]) -> None:
+        for rid in ids:
+            if rid is not None and rid not in self.req_ids:
+                self.req_ids.append(str(rid))
+
+    def row(self) -> tuple[Any, ...]:
+        values = [getattr(self, c) for c in STEP_COLUMNS]
+        values[STEP_COLUMNS.index("req_ids")] = json_dumps(self.req_ids)
+        return tuple(values)
+
+    @classmethod
+    def from_row(cls, row: tuple[Any, ...]) -> StepSummary:
+        values = dict(zip(STEP_COLUMNS, row, strict=True))
+        values["req_ids"] = json.loads(values["req_ids"] or "[]")
+        out = cls(**values)
+        out._batch_ids_from_forward = True  # a reloaded step keeps the batch it already had
+        return out
+
+
+def upsert_steps(conn: sqlite3.Connection, summaries: list[StepSummary]) -> None:
+    marks = ", ".join("?" * len(STEP_COLUMNS))
+    conn.executemany(f"INSERT OR REPLACE INTO steps VALUES ({marks})", [s.row() for s in summaries])
+
+
+def tensor_bytes(array: Any) -> bytes:
+    """Safetensors bytes of one array under the key "data"."""
+    from safetensors.numpy import save
+
+    return save({"data": np.ascontiguousarray(array)})
+
+
+def to_numpy(array: Any) -> np.ndarray:
+    """A private numpy copy of an array or a CPU/GPU tensor (duck-typed: torch is never imported)."""
+    if hasattr(array, "detach"):
+        tensor = array.detach()
+        if str(tensor.dtype) in ("torch.bfloat16", "torch.float8_e4m3fn", "torch.float8_e5m2"):
+            tensor = tensor.float()  # numpy has no bfloat16/float8
+        return np.array(tensor.cpu().numpy(), copy=True)
+    return np.array(array, copy=True)
+
+
+class TraceWriter:
+    """A `Sink` that writes one `.wbtrace` file from a background thread.
+
+    `write`, `write_tensor` and `set_meta` only enqueue (tensors are copied first, so the engine may
+    reuse its buffers). `flush()` blocks until everything queued is committed; `close()` flushes,
+    marks the trace `finished` and closes the file. An existing file at `path` is replaced.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], meta: dict[str, Any] | None = None) -> None:
+        self.path = os.fspath(path)
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            if os.path.exists(self.path + suffix):
+                os.remove(self.path + suffix)
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = NORMAL")
+        create_schema(conn, dict(meta or {}))
+        self._conn = conn
+        self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._closed = False
+        self.error: BaseException | None = None
+        self.num_events = 0
+        self._next_id = 1
+        self._steps: dict[int, StepSummary] = {}
+        self._thread = threading.Thread(target=self._run, name="wbtrace-writer", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    # --- the Sink protocol (engine thread) -------------------------------------------------------
+
+    def write(self, event: Event) -> None:
+        self._check_open()
+        self._queue.put(("event", event))
+
+    def write_tensor(self, name: str, step: int, req_id: str | None, array: Any) -> None:
+        self._check_open()
+        self._queue.put(("tensor", name, int(step), req_id, to_numpy(array)))
+
+    def set_meta(self, key: str, value: Any) -> None:
+        self._check_open()
+        self._queue.put(("meta", str(key), value))
+
+    def flush(self) -> None:
+        """Block until every queued item is committed; raise RuntimeError if the writer failed."""
+        if not self._closed:
+            done = threading.Event()
+            self._queue.put(("flush", done))
+            while not done.wait(0.05):
+                if not self._thread.is_alive():
+                    break
+        self._raise_error()
+
+    def close(self) -> None:
+        """Flush, mark the trace finished and close the file (idempotent)."""
+        if self._closed:
+            return
+        self.set_meta("finished", True)
+        self.flush()
+        self._closed = True
+        self._queue.put(("stop",))
+        self._thread.join()
+        atexit.unregister(self.close)
+        self._finish_file()
+        self._raise_error()
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"trace writer for {self.path} is closed")
+
+    def _raise_error(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"trace writer for {self.path} failed: {self.error}") from self.error
+
+    # --- the writer thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            items = [self._queue.get()]
+            while len(items) < MAX_BATCH:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            waiters = [it[1] for it in items if it[0] == "flush"]
+            if self.error is None:
+                try:
+                    self._commit(items)
+                except Exception as exc:  # disk full, unwritable file: stop writing, keep the engine alive
+                    self.error = exc
+            for done in waiters:
+                done.set()
+            if any(it[0] == "stop" for it in items):
+                return
+
+    def _commit(self, items: list[tuple[Any, ...]]) -> None:
+        rows: list[tuple[Any, ...]] = []
+        touched: dict[int, StepSummary] = {}
+        conn = self._conn
+        conn.execute("BEGIN")
+        for item in items:
+            if item[0] == "event":
+                rows.append(self._event_row(item[1], touched))
+            elif item[0] == "tensor":
+                _, name, step, req_id, array = item
+                conn.execute("INSERT OR REPLACE INTO tensors VALUES (?, ?, ?, ?)",
+                             (name, step, req_id, tensor_bytes(array)))
+            elif item[0] == "meta":
+                conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (item[1], json_dumps(item[2])))
+        if rows:
+            conn.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?, ?)", rows)
+            upsert_steps(conn, list(touched.values()))
+        conn.execute("COMMIT")
+        self.num_events += len(rows)
+        self._forget_old_steps()
+
+    def _event_row(self, event: Event, touched: dict[int, StepSummary]) -> tuple[Any, ...]:
+        payload = event.payload()
+        event_id, self._next_id = self._next_id, self._next_id + 1
+        summary = self._summary(int(event.step))
+        summary.add(event_id, event.kind, float(event.t), payload)
+        touched[summary.step] = summary
+        return (event_id, int(event.step), event.req_id, event.kind, float(event.t), json_dumps(payload))
+
+    def _summary(self, step: int) -> StepSummary:
+        if step not in self._steps:
+            cols = ", ".join(STEP_COLUMNS)
+            row = self._conn.execute(f"SELECT {cols} FROM steps WHERE step = ?", (step,)).fetchone()
+            self._steps[step] = StepSummary.from_row(row) if row else StepSummary(step=step)
+        return self._steps[step]
+
+    def _forget_old_steps(self) -> None:
+        if len(self._steps) > 64:  # keep the few recent steps in memory; older ones reload on demand
+            for step in sorted(self._steps)[:-16]:
+                del self._steps[step]
+
+    def _finish_file(self) -> None:
+        """Fold the WAL into the file and leave one self-contained file when no reader holds it."""
+        try:
+            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._conn.execute("PRAGMA journal_mode = DELETE")
+        except sqlite3.Error:
+            pass  # a live reader keeps the WAL; the file is complete either way
+        finally:
+            self._conn.close()
