@@ -1,0 +1,275 @@
+"""The Engine: requests in, the pipeline once per `step()`, outputs out.
+
+`Engine.step()` reads as the pipeline (schedule -> ForwardBatch -> ModelRunner -> logits ->
+Sampler -> output processing -> detokenizer -> finish) and is the one place that emits trace
+events; components return values and know nothing about tracing. Owns: request admission
+(tokenize, validate, refuse what can never fit), the step loop, abort, and the public API
+(`generate`, `stream`, `add_request`, `abort`). Thread-safe entry points (`add_request`, `abort`)
+queue work that the stepping thread picks up at the start of its next step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from workbench.engine import tracing
+from workbench.engine.forward_batch import ForwardMode, build_forward_batch
+from workbench.engine.memory import Memory
+from workbench.engine.model_runner import ModelRunner
+from workbench.engine.output import RequestOutput, StepOutput
+from workbench.engine.postprocess import OutputProcessor
+from workbench.engine.request import Req, ReqStatus
+from workbench.engine.sampler import Sampler, SamplingBatchInfo
+from workbench.engine.sampling_params import SamplingParams
+from workbench.engine.scheduler import Scheduler
+from workbench.models.loader import LoadedModel, load_model
+from workbench.trace.recorder import MemorySink, Tracer
+
+Prompt = str | list[dict[str, str]]
+
+
+class Engine:
+    def __init__(self, model: str | LoadedModel = "smollm2", *, device: str = "auto", dtype: str | None = None,
+                 max_batch_tokens: int = 2048, chunk_size: int = 512, kv_tokens: int | None = None,
+                 max_running: int = 64, enable_mixed: bool = True, trace: str | None = None,
+                 trace_level: str = "summary", trace_topk: int = 10, trace_sinks: list | None = None,
+                 spec: Any = None, seed: int = 0) -> None:
+        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
+        self.tokenizer = self.loaded.tokenizer
+        self.runner = ModelRunner(self.loaded)
+        self.device = self.loaded.device
+        self.vocab_size = self.runner.vocab_size
+        if max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {max_running}")
+        max_ctx = self.runner.max_context_len
+        if kv_tokens is None:
+            per_token = 2 * self.runner.num_layers * self.runner.kv_heads * self.runner.head_dim * 4
+            kv_tokens = min(max_running * max_ctx, (1 << 30) // per_token)
+        if kv_tokens < 2:
+            raise ValueError(f"kv_tokens must be >= 2, got {kv_tokens}")
+        self.memory = Memory(num_layers=self.runner.num_layers, kv_heads=self.runner.kv_heads,
+                             head_dim=self.runner.head_dim, kv_tokens=kv_tokens, max_running=max_running,
+                             max_context_len=max_ctx, dtype=self.runner.dtype, device=self.device)
+        self.scheduler = Scheduler(self.memory, max_batch_tokens=max_batch_tokens, chunk_size=chunk_size,
+                                   max_context_len=max_ctx, enable_mixed=enable_mixed)
+        self.sampler = Sampler()
+        self.outputs = OutputProcessor(self.tokenizer, max_ctx)
+        self.config = {"model": self.loaded.spec, "device": self.device, "dtype": self.loaded.dtype,
+                       "max_batch_tokens": max_batch_tokens, "chunk_size": chunk_size, "kv_tokens": kv_tokens,
+                       "max_running": max_running, "enable_mixed": enable_mixed, "trace_topk": trace_topk,
+                       "seed": seed, "spec": spec if isinstance(spec, (str, dict, type(None))) else str(spec)}
+        self.trace_topk = trace_topk
+        self.tracer = tracing.make_tracer(trace, trace_level, trace_sinks, self)
+        self.spec = None
+        if spec is not None:
+            from workbench.engine.spec import make_spec_worker
+
+            self.spec = make_spec_worker(spec, self)
+        self.step_no = 0
+        self.reqs: dict[str, Req] = {}
+        self.finished: dict[str, RequestOutput] = {}
+        self._inbox: queue.SimpleQueue[Req] = queue.SimpleQueue()
+        self._aborts: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        self._ids = itertools.count()
+        torch.manual_seed(seed)
+
+    # --- admission ---------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            for m in prompt:
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise ValueError("messages: each message needs string 'role' and 'content'")
+            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:3]}")
+            return list(prompt)
+        raise ValueError("prompt must be a non-empty string, a list of chat messages or a list of token ids")
+
+    def add_request(self, prompt: Prompt | list[int], params: SamplingParams | None = None,
+                    req_id: str | None = None) -> list[str]:
+        """Validate and queue a request (n > 1 queues n); returns the request ids. Thread-safe."""
+        params = params or SamplingParams()
+        params.validate(self.vocab_size)
+        prompt_ids = self.tokenize(prompt)
+        self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
+        base = req_id or f"req-{next(self._ids)}"
+        ids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
+        for i, rid in enumerate(ids):
+            if rid in self.reqs:
+                raise ValueError(f"req_id {rid!r} is already in use")
+            seed = params.seed + i if params.seed is not None else None
+            gen = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+            req = Req(rid, prompt, prompt_ids, params, generator=gen, parent_id=base if params.n > 1 else None)
+            self.outputs.init_request(req)
+            self.reqs[rid] = req
+            self._inbox.put(req)
+        return ids
+
+    def abort(self, req_id: str, reason: str = "aborted by caller") -> None:
+        """Abort a waiting or running request at the start of the next step. Thread-safe, idempotent."""
+        self._aborts.put((req_id, reason))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or not self._inbox.empty() or not self._aborts.empty()
+
+    # --- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        results = self._drain_inbox()
+        if not self.scheduler.has_work():
+            return results
+        self.step_no += 1
+        batch = self.scheduler.schedule()
+        for req in batch.preempted:
+            self._emit_free(req, "preempt")
+        if self.tracer.on:
+            self.tracer.emit(tracing.schedule_event(self, batch))
+        if batch.mode is ForwardMode.IDLE:
+            return results
+        if self.spec is not None and batch.mode is ForwardMode.DECODE:
+            return results + self.spec.step(batch)
+        t0 = time.perf_counter()
+        fb = build_forward_batch(batch.mode, batch.rows(), self.memory, self.device)
+        sample_reqs = [batch.reqs[i] for i in fb.logits_owner]
+        fb.sampling_info = SamplingBatchInfo.build(sample_reqs, self.vocab_size, self.device)
+        if self.tracer.on:
+            self.tracer.emit(tracing.forward_batch_event(self, fb))
+        logits = self.runner.forward(fb)  # [num_sampled, vocab]
+        t1 = time.perf_counter()
+        for chunk in batch.prefill:
+            chunk.req.kv_len += chunk.length
+        for req in batch.decode:
+            req.kv_len += 1
+        sample = self.sampler(logits, fb.sampling_info, self.trace_topk if self.tracer.on else 0)
+        t2 = time.perf_counter()
+        if self.tracer.on:
+            self.tracer.emit(tracing.forward_done_event(self, fb, t1 - t0, t2 - t1))
+            tracing.emit_sampling(self, sample_reqs, logits, sample)
+        new_tokens = {req.req_id: [tok] for req, tok in zip(sample_reqs, sample.next_token_ids, strict=True)}
+        self.outputs.append_tokens(sample_reqs, sample, self.step_no)
+        return results + self._process_outputs(sample_reqs, new_tokens)
+
+    def _process_outputs(self, reqs: list[Req], new_tokens: dict[str, list[int]]) -> list[StepOutput]:
+        """Detokenize, decide finish, release finished requests: the tail of the pipeline."""
+        results = []
+        for req in reqs:
+            detok = self.outputs.detokenize(req, new_tokens[req.req_id])
+            decision = self.outputs.decide_finish(req, detok)
+            if self.tracer.on:
+                tracing.emit_output_events(self, req, new_tokens[req.req_id], detok, decision)
+            out, tail = None, ""
+            if decision.finish_reason is not None:
+                out, tail = self._finish(req, decision.finish_reason, decision.evidence, decision.matched_stop)
+            results.append(StepOutput(req.req_id, new_tokens[req.req_id], detok.delta + tail, out is not None, out))
+        return results
+
+    def _finish(self, req: Req, reason: str, evidence: dict | None, matched_stop: Any) -> tuple[RequestOutput, str]:
+        req.finish_reason, req.evidence, req.matched_stop = reason, evidence, matched_stop
+        req.status = ReqStatus.FINISHED
+        self._emit_free(req, reason)
+        self.scheduler.remove(req)
+        out, tail = self.outputs.make_output(req)
+        self.finished[req.req_id] = out
+        if self.tracer.on:
+            self.tracer.emit(tracing.finished_event(self, req, out))
+        return out, tail
+
+    def _emit_free(self, req: Req, reason: str) -> None:
+        if self.tracer.on and req.req_pool_idx is not None and req.kv_len:
+            slots = self.scheduler.kv_slots(req).tolist()
+            self.tracer.emit(tracing.kv_event(self, req.req_id, "free", slots, reason, len(slots)))
+
+    def _drain_inbox(self) -> list[StepOutput]:
+        while not self._inbox.empty():
+            req = self._inbox.get()
+            req.arrival_step = self.step_no + 1
+            self.scheduler.add(req)
+            if self.tracer.on:
+                self.tracer.emit(tracing.request_added_event(self, req))
+        results = []
+        while not self._aborts.empty():
+            rid, reason = self._aborts.get()
+            req = self.reqs.get(rid)
+            if req is None or req.finished:
+                continue  # unknown or already finished: abort is idempotent
+            req.abort_reason = reason
+            out, tail = self._finish(req, "abort", {"type": "abort", "message": reason}, None)
+            results.append(StepOutput(rid, [], tail, True, out))
+        return results
+
+    # --- convenience API ---------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Run prompts (a string, a chat, or a list of either) to completion; outputs in input order."""
+        prompts = _as_prompt_list(prompts)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params: got {len(plist)} for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        flat = [rid for group in ids for rid in group]
+        bar = _progress(progress, sum((sp or SamplingParams()).max_new_tokens * (sp or SamplingParams()).n
+                                      for sp in plist))
+        while any(rid not in self.finished for rid in flat):
+            for out in self.step():
+                bar.update(len(out.new_token_ids))
+        bar.close()
+        self.tracer.flush()
+        return [self.finished[rid] for rid in flat]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StepOutput]:
+        """Yield this request's deltas as the engine steps (other queued requests run alongside)."""
+        (rid,) = self.add_request(prompt, (params or SamplingParams()).replace(n=1))
+        while True:
+            for out in self.step():
+                if out.req_id == rid:
+                    yield out
+                    if out.finished:
+                        self.tracer.flush()
+                        return
+
+    def close(self) -> None:
+        self.tracer.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def memory_sink(self) -> MemorySink | None:
+        return next((s for s in self.tracer.sinks if isinstance(s, MemorySink)), None)
+
+
+def _as_prompt_list(prompts: Any) -> list[Any]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(m, dict) for m in prompts):
+        return [prompts]  # one chat
+    if isinstance(prompts, (list, tuple)) and prompts:
+        return list(prompts)
+    raise ValueError("prompts must be a string, a chat, or a non-empty list of either")
+
+
+def _progress(enabled: bool, total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, disable=not enabled, desc="generating", unit="tok")
+
+
+__all__ = ["Engine", "Tracer"]

@@ -1,0 +1,100 @@
+"""KV memory: the request-to-token table, the token-level slot allocator and the per-layer K/V pool.
+
+SGLang semantics. `ReqToTokenPool` maps a request slot to the row of KV slot indices holding its
+tokens; `TokenToKVPoolAllocator` hands out token slots (slot 0 is reserved as padding and never
+handed out); `KVPool` holds one K and one V tensor per layer, `[num_slots, kv_heads, head_dim]`.
+Allocation is paired: `can_allocate / allocate / free`. Nothing here knows about tracing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Request slot -> row of KV slot indices (`req_to_token[slot, pos]`)."""
+
+    def __init__(self, size: int, max_context_len: int, device: str) -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self._free = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int = 1) -> bool:
+        return len(self._free) >= n
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("ReqToTokenPool exhausted: allocate() without can_allocate()")
+        return self._free.pop(0)
+
+    def free(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.size:
+            raise RuntimeError(f"ReqToTokenPool: double free or bad slot {slot}")
+        self._free.append(slot)
+
+
+class TokenToKVPoolAllocator:
+    """Token-level allocator over `size` usable KV slots, numbered 1..size (0 is padding)."""
+
+    def __init__(self, size: int, device: str) -> None:
+        self.size = size
+        self.device = device
+        self._free = torch.arange(1, size + 1, dtype=torch.int64)
+        self._is_free = torch.ones(size + 1, dtype=torch.bool)
+        self._is_free[0] = False
+
+    def available_size(self) -> int:
+        return int(self._free.numel())
+
+    def used(self) -> int:
+        return self.size - int(self._free.numel())
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self._free.numel()
+
+    def allocate(self, n: int) -> torch.Tensor:
+        """Return `n` free slot indices (int64, CPU); raises if the caller skipped can_allocate."""
+        if n > self._free.numel():
+            raise RuntimeError(f"KV pool exhausted: asked for {n}, {self._free.numel()} free")
+        out, self._free = self._free[:n], self._free[n:]
+        self._is_free[out] = False
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        slots = slots.to(torch.int64).cpu()
+        if bool(self._is_free[slots].any()) or bool((slots == 0).any()):
+            raise RuntimeError("KV pool: double free, or freeing the reserved slot 0")
+        self._is_free[slots] = True
+        self._free = torch.cat([self._free, slots])
+
+
+class KVPool:
+    """Per-layer K and V tensors of `[num_slots + 1, kv_heads, head_dim]` (row 0 is padding)."""
+
+    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str) -> None:
+        shape = (num_slots + 1, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.bytes_per_token = 2 * num_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+    def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store `k, v` of shape `[num_tokens, kv_heads, head_dim]` at slots `loc`."""
+        self.k[layer][loc] = k
+        self.v[layer][loc] = v
+
+
+class Memory:
+    """The three memory parts together, sized from a token budget."""
+
+    def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int, kv_tokens: int, max_running: int,
+                 max_context_len: int, dtype: torch.dtype, device: str) -> None:
+        self.req_to_token_pool = ReqToTokenPool(max_running, max_context_len, device)
+        self.allocator = TokenToKVPoolAllocator(kv_tokens, device)
+        self.kv = KVPool(num_layers, kv_tokens, kv_heads, head_dim, dtype, device)

@@ -1,0 +1,56 @@
+"""ModelRunner: runs the unmodified transformers model on a ForwardBatch and returns logits.
+
+Owns: switching the HF model to the "workbench" attention function, the packed forward call
+(`input_ids [1, N]`, per-token `position_ids`, `logits_to_keep` for the rows that need logits) and
+early-exit forwards for self-drafting. Does not own: KV allocation (forward_batch.py) or sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workbench.engine import attention
+from workbench.engine.forward_batch import ForwardBatch
+from workbench.models.loader import LoadedModel
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel) -> None:
+        attention.register()
+        self.loaded = loaded
+        self.model = loaded.model
+        self.model.set_attn_implementation(attention.ATTN_NAME)
+        self.config = self.model.config
+        self.device = loaded.device
+        self.dtype = self.model.dtype
+        self.vocab_size = int(self.config.vocab_size)
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.kv_heads = int(self.config.num_key_value_heads)
+        self.head_dim = int(getattr(self.config, "head_dim", None)
+                            or self.config.hidden_size // self.config.num_attention_heads)
+        self.max_context_len = int(getattr(self.config, "max_position_embeddings", 4096))
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits `[len(fb.logits_rows), vocab]` in float32 for the kept rows."""
+        if fb.layer_limit is not None:
+            return self._forward_early_exit(fb)
+        out = self.model(
+            input_ids=fb.input_ids.unsqueeze(0), position_ids=fb.positions.unsqueeze(0), use_cache=False,
+            logits_to_keep=fb.logits_rows, forward_batch=fb,
+        )
+        return out.logits[0].float()
+
+    def _forward_early_exit(self, fb: ForwardBatch) -> torch.Tensor:
+        """Run only the first `fb.layer_limit` decoder layers, then the final norm and head."""
+        inner = self.model.model
+        hidden = inner.embed_tokens(fb.input_ids.unsqueeze(0))
+        pos = fb.positions.unsqueeze(0)
+        rope = inner.rotary_emb(hidden, position_ids=pos)
+        for layer in inner.layers[: fb.layer_limit]:
+            hidden = layer(hidden, attention_mask=None, position_embeddings=rope, position_ids=pos,
+                           forward_batch=fb)
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
+        hidden = inner.norm(hidden[:, fb.logits_rows])
+        return self.model.lm_head(hidden)[0].float()

@@ -1,0 +1,73 @@
+"""What the engine hands back: per-step deltas and the final `RequestOutput`.
+
+Owns: the output records of the pipeline's tail (`BatchTokenIDOutput` -> detokenizer ->
+`BatchStrOutput` -> `RequestOutput`) and their JSON forms. Does not own: deciding finish reasons
+(finish.py) or decoding text (detokenizer.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    rank: int
+    top_logprobs: list[tuple[int, str, float]] = field(default_factory=list)  # (id, text, logprob)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTokenIDOutput:
+    """Token ids appended this step, per request, before detokenization."""
+
+    req_ids: list[str]
+    new_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStrOutput:
+    """Text deltas emitted this step per request, after detokenization and stop handling."""
+
+    req_ids: list[str]
+    deltas: list[str]
+    finished: list[bool]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The final result of one request, shaped like vLLM's/SGLang's outputs."""
+
+    req_id: str
+    prompt: Any
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    matched_stop: Any = None
+    evidence: dict[str, Any] | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, Any] = field(default_factory=dict)
+    spec: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """One request's part of one engine step: what streaming callers receive."""
+
+    req_id: str
+    new_token_ids: list[int]
+    delta: str
+    finished: bool
+    output: RequestOutput | None = None

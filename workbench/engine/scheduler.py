@@ -1,0 +1,168 @@
+"""Scheduler: continuous batching under a token budget, with chunked prefill, MIXED batches,
+preemption by recompute and abort.
+
+Owns: the waiting queue and the running set, which requests run each step and how many of their
+tokens (`ScheduleBatch`), KV admission and preemption, and releasing a request's KV. Does not own:
+building tensors (forward_batch.py) or finish rules (finish.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from workbench.engine.forward_batch import ForwardMode, RowSpec
+from workbench.engine.memory import Memory
+from workbench.engine.request import Req, ReqStatus
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    req: Req
+    start: int
+    length: int
+    last_chunk: bool
+
+
+@dataclass(slots=True)
+class ScheduleBatch:
+    """What runs this step: prefill chunks first, then decodes (row order of the ForwardBatch)."""
+
+    mode: ForwardMode
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    decode: list[Req] = field(default_factory=list)
+    preempted: list[Req] = field(default_factory=list)
+    token_budget: int = 0
+
+    @property
+    def reqs(self) -> list[Req]:
+        return [c.req for c in self.prefill] + self.decode
+
+    @property
+    def tokens_scheduled(self) -> int:
+        return sum(c.length for c in self.prefill) + len(self.decode)
+
+    def rows(self) -> list[RowSpec]:
+        rows = [RowSpec(c.req.req_id, c.req.req_pool_idx, c.start, c.req.fill_ids[c.start:c.start + c.length],
+                        1 if c.last_chunk else 0) for c in self.prefill]
+        rows += [RowSpec(r.req_id, r.req_pool_idx, r.kv_len, [r.fill_ids[-1]], 1) for r in self.decode]
+        return rows
+
+
+class Scheduler:
+    def __init__(self, memory: Memory, *, max_batch_tokens: int, chunk_size: int, max_context_len: int,
+                 enable_mixed: bool = True) -> None:
+        if max_batch_tokens < 1 or chunk_size < 1:
+            raise ValueError("max_batch_tokens and chunk_size must be >= 1")
+        self.memory = memory
+        self.max_batch_tokens = max_batch_tokens
+        self.chunk_size = chunk_size
+        self.max_context_len = max_context_len
+        self.enable_mixed = enable_mixed
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+
+    # --- admission -------------------------------------------------------------------------
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Refuse a request that could never run to completion, naming the limit it breaks."""
+        kv_total = self.memory.allocator.size
+        if prompt_len == 0:
+            raise ValueError("prompt must not be empty")
+        if prompt_len >= self.max_context_len:
+            raise ValueError(f"prompt has {prompt_len} tokens; the model's context length is "
+                             f"{self.max_context_len} (prompt must be shorter)")
+        if prompt_len + max_new_tokens > kv_total:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the KV "
+                             f"pool of {kv_total} tokens; lower max_new_tokens or raise kv_tokens")
+
+    def add(self, req: Req) -> None:
+        req.status = ReqStatus.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduleBatch:
+        alloc = self.memory.allocator
+        decode = [r for r in self.running if r.output_ids and r.seq_len - r.kv_len == 1]
+        preempted = []
+        while decode and not alloc.can_allocate(len(decode)):
+            victim = max(self.running, key=lambda r: r.arrival_step)
+            self._preempt(victim)
+            preempted.append(victim)
+            decode = [r for r in decode if r is not victim]
+        budget = self.max_batch_tokens
+        decode = decode[:budget]
+        batch = ScheduleBatch(ForwardMode.IDLE, decode=decode, preempted=preempted, token_budget=budget)
+        budget -= len(decode)
+        if decode and not self.enable_mixed:
+            budget = 0
+        self._schedule_prefill(batch, budget)
+        has_prefill, has_decode = bool(batch.prefill), bool(batch.decode)
+        batch.mode = (ForwardMode.MIXED if has_prefill and has_decode else ForwardMode.EXTEND if has_prefill
+                      else ForwardMode.DECODE if has_decode else ForwardMode.IDLE)
+        return batch
+
+    def _schedule_prefill(self, batch: ScheduleBatch, budget: int) -> None:
+        alloc, pool = self.memory.allocator, self.memory.req_to_token_pool
+        decoding = {id(r) for r in batch.decode}
+        candidates = [r for r in self.running if id(r) not in decoding and r.seq_len - r.kv_len >= 1
+                      and not (r.output_ids and r.seq_len - r.kv_len == 1)]
+        # Slots this step's decodes take, plus one per running request for the next step's decode.
+        reserve = len(batch.decode) + len(self.running)
+        queue = candidates + list(self.waiting)
+        for req in queue:
+            if budget <= 0:
+                break
+            is_new = req.req_pool_idx is None
+            if is_new and not pool.can_allocate():
+                break
+            free = alloc.available_size() - reserve - (1 if is_new else 0)
+            chunk = min(req.seq_len - req.kv_len, self.chunk_size, budget, free)
+            if chunk <= 0:
+                break
+            if is_new:
+                req.req_pool_idx = pool.allocate()
+                self.waiting.remove(req)
+                self.running.append(req)
+                req.status = ReqStatus.RUNNING
+                reserve += 1
+            batch.prefill.append(PrefillChunk(req, req.kv_len, chunk, req.kv_len + chunk == req.seq_len))
+            budget -= chunk
+            reserve += chunk
+
+    # --- release ---------------------------------------------------------------------------
+
+    def kv_slots(self, req: Req, start: int = 0, end: int | None = None) -> torch.Tensor:
+        end = req.kv_len if end is None else end
+        return self.memory.req_to_token_pool.req_to_token[req.req_pool_idx, start:end].cpu()
+
+    def release(self, req: Req) -> torch.Tensor:
+        """Free every KV slot and the request slot of `req`; return the freed KV slots."""
+        freed = torch.empty(0, dtype=torch.int64)
+        if req.req_pool_idx is not None:
+            freed = self.kv_slots(req)
+            self.memory.allocator.free(freed)
+            self.memory.req_to_token_pool.free(req.req_pool_idx)
+            req.req_pool_idx = None
+        req.kv_len = 0
+        if req in self.running:
+            self.running.remove(req)
+        return freed
+
+    def _preempt(self, req: Req) -> None:
+        self.release(req)
+        req.num_preemptions += 1
+        req.status = ReqStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def remove(self, req: Req) -> torch.Tensor:
+        """Take `req` out of the scheduler wherever it is (finish or abort); return freed KV slots."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        return self.release(req)

@@ -1,0 +1,156 @@
+"""Builders that turn engine objects into trace events; called only from `Engine.step()` and its
+helpers, and only when `tracer.on` (so level `off` never reaches this module).
+
+Owns: the mapping from Req / ScheduleBatch / ForwardBatch / SamplerOutput / DetokUpdate /
+FinishResult to the typed records of `workbench.trace.events`, and creating the tracer with its
+sinks and run metadata. Does not own: the event schema (trace/events.py) or storage (trace/store.py).
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from workbench.trace import events as ev
+from workbench.trace.recorder import MemorySink, Tracer
+
+if TYPE_CHECKING:
+    from workbench.engine.engine import Engine
+    from workbench.engine.forward_batch import ForwardBatch
+    from workbench.engine.request import Req
+    from workbench.engine.scheduler import ScheduleBatch
+
+
+def make_tracer(path: str | None, level: str, sinks: list | None, engine: Engine) -> Tracer:
+    """A tracer writing to `path` (a .wbtrace file) and/or the given sinks; an in-memory sink when
+    tracing is on without a file, so notebooks and tests can read what happened."""
+    ev.level_value(level)
+    all_sinks = list(sinks or [])
+    if path is not None and level != "off":
+        from workbench.trace.store import TraceWriter
+
+        all_sinks.append(TraceWriter(path))
+    elif level != "off" and not all_sinks:
+        all_sinks.append(MemorySink())
+    tracer = Tracer(level if all_sinks else "off", all_sinks)
+    if tracer.on:
+        for key, value in run_meta(engine, level).items():
+            tracer.set_meta(key, value)
+    return tracer
+
+
+def run_meta(engine: Engine, level: str) -> dict[str, Any]:
+    import transformers
+
+    tok = engine.tokenizer
+    return {
+        "engine": engine.config,
+        "model": engine.loaded.identity(),
+        "tokenizer": {"name": getattr(tok, "name_or_path", ""), "vocab_size": len(tok),
+                      "eos_token_id": tok.eos_token_id, "class": type(tok).__name__},
+        "versions": {"workbench": "0.1.0", "torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+        "trace_level": level,
+        "created": time.time(),
+    }
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+def request_added_event(engine: Engine, req: Req) -> ev.RequestAdded:
+    return ev.RequestAdded(step=engine.step_no + 1, req_id=req.req_id, t=req.arrival_time, prompt=req.prompt,
+                           prompt_ids=list(req.prompt_ids), params=req.params.to_dict(), parent_id=req.parent_id)
+
+
+def schedule_event(engine: Engine, batch: ScheduleBatch) -> ev.ScheduleDecision:
+    alloc = engine.memory.allocator
+    return ev.ScheduleDecision(
+        step=engine.step_no, t=_now(), mode=batch.mode.value,
+        waiting=[r.req_id for r in engine.scheduler.waiting], running=[r.req_id for r in engine.scheduler.running],
+        prefill=[{"req_id": c.req.req_id, "start": c.start, "length": c.length, "last_chunk": c.last_chunk}
+                 for c in batch.prefill],
+        decode=[r.req_id for r in batch.decode], preempted=[r.req_id for r in batch.preempted],
+        token_budget=batch.token_budget, tokens_scheduled=batch.tokens_scheduled,
+        kv_used=alloc.used(), kv_total=alloc.size)
+
+
+def forward_batch_event(engine: Engine, fb: ForwardBatch) -> ev.ForwardBatchBuilt:
+    info = fb.sampling_info
+    return ev.ForwardBatchBuilt(
+        step=engine.step_no, t=_now(), forward_mode=fb.forward_mode.value, batch_size=fb.batch_size,
+        input_ids=fb.input_ids.tolist(), req_pool_indices=fb.req_pool_indices.tolist(),
+        seq_lens=fb.seq_lens.tolist(), out_cache_loc=fb.out_cache_loc.tolist(), positions=fb.positions.tolist(),
+        extend_prefix_lens=fb.extend_prefix_lens.tolist(), extend_seq_lens=fb.extend_seq_lens.tolist(),
+        return_logprob=fb.return_logprob, top_logprobs_nums=list(fb.top_logprobs_nums), req_ids=list(fb.req_ids),
+        sampling_info=info.summary() if info is not None else [])
+
+
+def forward_done_event(engine: Engine, fb: ForwardBatch, forward_s: float, sample_s: float,
+                       model: str = "target") -> ev.ForwardDone:
+    return ev.ForwardDone(step=engine.step_no, t=_now(), forward_mode=fb.forward_mode.value,
+                          num_tokens=fb.num_tokens, batch_size=fb.batch_size, forward_ms=forward_s * 1e3,
+                          sample_ms=sample_s * 1e3, model=model)
+
+
+def emit_sampling(engine: Engine, reqs: list[Req], logits: torch.Tensor, sample: Any) -> None:
+    """Logits summary, sampling stages and the chosen token of every sampled row."""
+    k = engine.trace_topk
+    step, t = engine.step_no, _now()
+    top_vals, top_ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    lp = sample.raw_logprobs
+    entropy = -(lp.exp() * lp).nan_to_num().sum(-1)
+    for i, req in enumerate(reqs):
+        position = len(req.output_ids)  # the token these logits choose (appended after this call)
+        tensor_name = None
+        if engine.tracer.full:
+            tensor_name = f"logits/{step}/{req.req_id}/{position}"
+            engine.tracer.tensor(tensor_name, step, req.req_id, logits[i].float().cpu().numpy())
+        engine.tracer.emit(ev.Logits(step=step, req_id=req.req_id, t=t, position=position,
+                                     top_ids=top_ids[i].tolist(), top_logits=top_vals[i].tolist(),
+                                     entropy=float(entropy[i]), tensor=tensor_name))
+        if sample.stages is not None:
+            engine.tracer.emit(ev.SamplingStages(
+                step=step, req_id=req.req_id, t=t, position=position, stages=sample.stages[i],
+                chosen=sample.next_token_ids[i], greedy=req.params.temperature == 0, draw=sample.draws[i],
+                seeded=req.generator is not None))
+        tok = sample.next_token_ids[i]
+        tops = [[tid, lpv, engine.outputs.token_text(tid)] for tid, lpv in sample.top_logprobs[i][:k]]
+        if not tops:
+            vals, ids = lp[i].topk(min(5, lp.shape[-1]))
+            tops = [[tid, v, engine.outputs.token_text(tid)] for tid, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+        engine.tracer.emit(ev.TokenChosen(
+            step=step, req_id=req.req_id, t=t, position=position, token_id=tok, text=engine.outputs.token_text(tok),
+            logprob=_finite(sample.logprobs[i]), rank=sample.ranks[i], top_logprobs=tops))
+
+
+def emit_output_events(engine: Engine, req: Req, new_ids: list[int], detok: Any, decision: Any) -> None:
+    step, t = engine.step_no, _now()
+    engine.tracer.emit(ev.DetokState(
+        step=step, req_id=req.req_id, t=t, new_ids=list(new_ids), prefix_offset=detok.prefix_offset,
+        read_offset=detok.read_offset, decoded_len=detok.decoded_len, held_text=detok.held_text,
+        held_reason=detok.held_reason, delta=detok.delta, stop_matched=detok.stop_matched))
+    engine.tracer.emit(ev.FinishDecision(step=step, req_id=req.req_id, t=t, checks=list(decision.checks),
+                                         finish_reason=decision.finish_reason, evidence=decision.evidence))
+
+
+def finished_event(engine: Engine, req: Req, out: Any) -> ev.RequestFinished:
+    return ev.RequestFinished(
+        step=engine.step_no, req_id=req.req_id, t=_now(), text=out.text, output_ids=list(out.token_ids),
+        finish_reason=out.finish_reason, matched_stop=out.matched_stop, evidence=out.evidence, usage=out.usage,
+        timings=out.timings, spec=out.spec, error=out.error)
+
+
+def kv_event(engine: Engine, req_id: str | None, op: str, slots: list[int], reason: str, n: int) -> ev.KVEvent:
+    alloc = engine.memory.allocator
+    return ev.KVEvent(step=engine.step_no, req_id=req_id, t=_now(), op=op, slots=slots, reason=reason,
+                      kv_used=alloc.used() - (n if op in ("free", "rollback") else 0), kv_total=alloc.size)
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None

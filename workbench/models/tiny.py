@@ -1,0 +1,98 @@
+"""Tiny random Llama-family models with real tokenizers, for tests that must run in seconds.
+
+Owns: building `tiny-random` (SmolLM2's byte-level BPE tokenizer) and `tiny-random-sp` (a small
+SentencePiece tokenizer with byte fallback, trained here) folders: config, seeded random weights
+saved as safetensors, tokenizer files and a chat template. Does not own loading (loader.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_SP_CORPUS = """The quick brown fox jumps over the lazy dog. A stitch in time saves nine.
+Inference engines batch requests, schedule prefill and decode, and sample tokens from logits.
+Speculative decoding drafts tokens cheaply and verifies them with the target model in one pass.
+Once upon a time there was a small model that learned to count: one, two, three, four, five.
+The detokenizer holds back text while a character is incomplete, and stop strings end a request.
+Hello world! How are you today? I am fine, thank you. What is the capital of France? Paris.
+"""
+
+
+def tiny_config(vocab_size: int, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                bos: int = 1, eos: int = 2, pad: int = 2):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+        max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, initializer_range=0.2,
+    )
+
+
+def _save_random_model(config, folder: Path, seed: int) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    # Peaked logits make greedy comparisons meaningful: with the default init every token is a near tie.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(folder)
+
+
+def build_tiny_bpe(folder: Path, smollm2_tokenizer_folder: Path, seed: int = 0) -> Path:
+    """A 2-layer random Llama with SmolLM2's byte-level BPE tokenizer and chat template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(folder)
+    config = tiny_config(len(tok), bos=tok.bos_token_id or 1, eos=tok.eos_token_id, pad=tok.eos_token_id)
+    _save_random_model(config, folder, seed)
+    return folder
+
+
+def train_sentencepiece(folder: Path, vocab_size: int = 400) -> Path:
+    """Train a small byte-fallback SentencePiece model and lay it out so AutoTokenizer loads it fast.
+
+    Per DESIGN.md: `tokenizer.model` beside a `tokenizer_config.json` naming `LlamaTokenizer`;
+    characters outside the vocabulary come out as `<0xE2>`-style byte tokens.
+    """
+    import io
+
+    import sentencepiece as spm
+
+    folder.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(_SP_CORPUS.splitlines() * 20), model_writer=buf, vocab_size=vocab_size,
+        model_type="bpe", byte_fallback=True, character_coverage=0.9995, bos_id=1, eos_id=2, unk_id=0,
+        pad_id=-1, user_defined_symbols=["<|im_start|>", "<|im_end|>"], minloglevel=2,
+    )
+    (folder / "tokenizer.model").write_bytes(buf.getvalue())
+    config = {
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, "add_eos_token": False, "legacy": False, "chat_template": CHAT_TEMPLATE,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def build_tiny_sp(folder: Path, seed: int = 0) -> Path:
+    """A 2-layer random Llama with a trained SentencePiece byte-fallback tokenizer."""
+    from transformers import AutoTokenizer
+
+    train_sentencepiece(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    config = tiny_config(len(tok), bos=tok.bos_token_id, eos=tok.eos_token_id, pad=tok.eos_token_id)
+    _save_random_model(config, folder, seed)
+    tok.save_pretrained(folder)
+    return folder
