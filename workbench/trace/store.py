@@ -42,15 +42,17 @@ CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS events(
     id INTEGER PRIMARY KEY, step INTEGER NOT NULL, req_id TEXT, kind TEXT NOT NULL,
     t REAL NOT NULL, payload TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS events_step ON events(step);
-CREATE INDEX IF NOT EXISTS events_req ON events(req_id, step);
-CREATE INDEX IF NOT EXISTS events_kind ON events(kind, step);
 CREATE TABLE IF NOT EXISTS steps(
     step INTEGER PRIMARY KEY, mode TEXT, batch_size INTEGER, num_tokens INTEGER,
     output_tokens INTEGER, forward_ms REAL, kv_used INTEGER, kv_total INTEGER, req_ids TEXT,
     t_start REAL, t_end REAL, first_id INTEGER, last_id INTEGER, num_events INTEGER,
     spec_proposed INTEGER, spec_accepted INTEGER);
 CREATE TABLE IF NOT EXISTS tensors(name TEXT PRIMARY KEY, step INTEGER, req_id TEXT, data BLOB NOT NULL);
+"""
+_INDEXES = """
+CREATE INDEX IF NOT EXISTS events_step ON events(step);
+CREATE INDEX IF NOT EXISTS events_req ON events(req_id, step);
+CREATE INDEX IF NOT EXISTS events_kind ON events(kind, step);
 """
 
 STEP_COLUMNS = (
@@ -72,11 +74,14 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
-def create_schema(conn: sqlite3.Connection, meta: dict[str, Any]) -> None:
-    """Create the tables in an empty database and write the format marker and the given meta."""
+def create_schema(conn: sqlite3.Connection, meta: dict[str, Any], indexes: bool = True) -> None:
+    """Create the tables in an empty database and write the format marker and the given meta.
+
+    A bulk loader passes `indexes=False` and calls `create_indexes` after inserting (faster).
+    """
     conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
     conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-    conn.executescript(f"BEGIN; {_SCHEMA} COMMIT;")
+    conn.executescript(f"BEGIN; {_SCHEMA} {_INDEXES if indexes else ''} COMMIT;")
     base = {
         "format": FORMAT,
         "schema_version": SCHEMA_VERSION,
@@ -85,6 +90,10 @@ def create_schema(conn: sqlite3.Connection, meta: dict[str, Any]) -> None:
     }
     rows = [(k, json_dumps(v)) for k, v in {**meta, **base}.items()]
     conn.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", rows)
+
+
+def create_indexes(conn: sqlite3.Connection) -> None:
+    conn.executescript(f"BEGIN; {_INDEXES} COMMIT;")
 
 
 @dataclass(slots=True)
