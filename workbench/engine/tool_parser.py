@@ -1,0 +1,220 @@
+"""Tool calls in SmolLM2's (Hermes-style) format: `<tool_call>{json}</tool_call>` in the output text.
+
+This module owns: parsing finished text (`parse_tool_calls`), parsing a stream of text deltas
+(`StreamingToolParser`, which holds back text that could still be the start of `<tool_call>`
+and emits each call when its closing tag arrives), and putting OpenAI `tools` definitions into
+the chat as a system prompt (`inject_tools`), since SmolLM2's chat template ignores tools. It does
+not decide finish reasons (finish.py turns `stop` into `tool_calls` when a call is complete).
+
+Inside the tags the JSON is one object `{"name": ..., "arguments": {...}}` (Hermes) or a list of
+them (what SmolLM2 was tuned on). A block whose JSON is invalid, or not of that shape, stays in
+the content verbatim, tags included; nothing here raises on model output. The first
+`</tool_call>` after `<tool_call>` closes the block. Content is the text with valid blocks
+removed, unchanged otherwise (a server may strip it). Streaming and whole-text parsing give the same
+content and calls for any split of the text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+OPEN_TAG = "<tool_call>"
+CLOSE_TAG = "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN_TAG) + r"(.*?)" + re.escape(CLOSE_TAG), re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call, OpenAI-shaped: `arguments_json` is the arguments object as a JSON string."""
+
+    id: str
+    name: str
+    arguments_json: str
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments_json}}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolParseResult:
+    content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolDelta:
+    content_delta: str
+    tool_calls_completed: list[ToolCall] = field(default_factory=list)
+
+
+def _parse_block(body: str) -> list[tuple[str, str]] | None:
+    """(name, arguments_json) for each call in a block body; None when the body is not valid."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    items = obj if isinstance(obj, list) else [obj]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
+            return None
+        args = item.get("arguments", item.get("parameters", {}))
+        if isinstance(args, str):  # some models send the arguments already serialised
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        if not isinstance(args, dict):
+            return None
+        calls.append((item["name"], json.dumps(args, ensure_ascii=False)))
+    return calls
+
+
+def parse_tool_calls(text: str, *, id_prefix: str = "call_") -> ToolParseResult:
+    """Split finished text into content and tool calls; ids are `f"{id_prefix}{index}"`."""
+    content: list[str] = []
+    calls: list[ToolCall] = []
+    pos = 0
+    for m in _BLOCK.finditer(text):
+        parsed = _parse_block(m.group(1))
+        content.append(text[pos:m.start()] if parsed is not None else text[pos:m.end()])
+        pos = m.end()
+        for name, args in parsed or ():
+            calls.append(ToolCall(f"{id_prefix}{len(calls)}", name, args))
+    content.append(text[pos:])
+    return ToolParseResult("".join(content), calls)
+
+
+def _partial_tag_start(text: str, tag: str) -> int:
+    """Index of the earliest suffix of `text` that is a proper prefix of `tag` (len(text) if none)."""
+    for i in range(max(0, len(text) - len(tag) + 1), len(text)):
+        if tag.startswith(text[i:]):
+            return i
+    return len(text)
+
+
+class StreamingToolParser:
+    """Feeds on text deltas; emits content as soon as it cannot be part of a tool call."""
+
+    def __init__(self, *, id_prefix: str = "call_") -> None:
+        self.id_prefix = id_prefix
+        self.tool_calls: list[ToolCall] = []
+        self._buf = ""  # held text: a possible opening tag, or an open block (tag included)
+        self._in_block = False
+        self._finished = False
+
+    @property
+    def has_complete_call(self) -> bool:
+        """At least one tool call was completed (what finish.py's `has_complete_tool_call` reads)."""
+        return bool(self.tool_calls)
+
+    @property
+    def held_text(self) -> str:
+        return self._buf
+
+    def feed(self, delta: str) -> ToolDelta:
+        if self._finished:
+            raise RuntimeError("tool parser already finished")
+        self._buf += delta
+        content: list[str] = []
+        done: list[ToolCall] = []
+        while True:
+            if not self._in_block:
+                i = self._buf.find(OPEN_TAG)
+                if i < 0:
+                    keep = _partial_tag_start(self._buf, OPEN_TAG)
+                    content.append(self._buf[:keep])
+                    self._buf = self._buf[keep:]
+                    break
+                content.append(self._buf[:i])
+                self._buf, self._in_block = self._buf[i:], True
+            j = self._buf.find(CLOSE_TAG, len(OPEN_TAG))
+            if j < 0:
+                break
+            block, self._buf = self._buf[:j + len(CLOSE_TAG)], self._buf[j + len(CLOSE_TAG):]
+            self._in_block = False
+            parsed = _parse_block(block[len(OPEN_TAG):j])
+            if parsed is None:
+                content.append(block)
+            for name, args in parsed or ():
+                call = ToolCall(f"{self.id_prefix}{len(self.tool_calls)}", name, args)
+                self.tool_calls.append(call)
+                done.append(call)
+        return ToolDelta("".join(content), done)
+
+    def finish(self) -> ToolDelta:
+        """End of text: whatever is still held (an unclosed block, a partial tag) is content."""
+        if self._finished:
+            return ToolDelta("")
+        self._finished = True
+        tail, self._buf = self._buf, ""
+        return ToolDelta(tail)
+
+
+# --- tool definitions into the prompt ------------------------------------------------------------
+
+TOOLS_SYSTEM_PROMPT = (
+    "You can call functions to answer the user. The functions you may call are listed as JSON "
+    "inside <tools></tools>:\n<tools>\n{tools}\n</tools>\n\n"
+    "To call one or more of them, answer with nothing but the calls inside <tool_call></tool_call> "
+    "tags, one JSON object per call, like this:\n"
+    '<tool_call>\n{{"name": "function_name", "arguments": {{"argument": "value"}}}}\n</tool_call>\n'
+    "Use only the functions listed and give every required argument. If no function fits, or an "
+    "argument is missing from the question, say so in plain text instead."
+)
+
+
+def _tool_function(tool: dict[str, Any]) -> dict[str, Any]:
+    fn = tool.get("function", tool) if isinstance(tool, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError(f"tools: each tool needs a function with a name, got {tool!r}")
+    return {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
+
+
+def _message_text(msg: dict[str, Any]) -> dict[str, Any]:
+    """A message the plain chat template can render: tool calls and results written out as text."""
+    out = dict(msg)
+    calls = msg.get("tool_calls") or []
+    if msg.get("role") == "assistant" and calls:
+        blocks = []
+        for c in calls:
+            fn = c.get("function", c)
+            args = fn.get("arguments", {})
+            try:
+                args_obj = json.loads(args) if isinstance(args, str) else args
+            except ValueError as exc:
+                raise ValueError(f"messages: tool_calls arguments must be a JSON object, got {args!r}") from exc
+            blocks.append(OPEN_TAG + "\n" + json.dumps({"name": fn.get("name"), "arguments": args_obj},
+                                                       ensure_ascii=False) + "\n" + CLOSE_TAG)
+        out["content"] = (msg.get("content") or "") + "\n".join(blocks)
+        out.pop("tool_calls", None)
+    elif msg.get("role") == "tool":
+        out["content"] = f"<tool_response>\n{msg.get('content') or ''}\n</tool_response>"
+    if out.get("content") is None:
+        out["content"] = ""
+    return out
+
+
+def inject_tools(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
+                 ) -> list[dict[str, Any]]:
+    """Chat messages with the tools described in the system message (one is added if none exists).
+
+    `tools` is OpenAI's list (`{"type": "function", "function": {...}}`; bare functions accepted).
+    Assistant `tool_calls` and `tool` results are written into message text the way the parser
+    reads them, so a plain chat template (SmolLM2's) renders the whole conversation.
+    """
+    msgs = [_message_text(m) for m in messages]
+    if not tools:
+        return msgs
+    listing = "\n".join(json.dumps(_tool_function(t), ensure_ascii=False) for t in tools)
+    prompt = TOOLS_SYSTEM_PROMPT.format(tools=listing)
+    if msgs and msgs[0].get("role") == "system":
+        msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']}\n\n{prompt}".lstrip()}
+    else:
+        msgs.insert(0, {"role": "system", "content": prompt})
+    return msgs
