@@ -206,7 +206,9 @@ class Trace:
     @property
     def num_steps(self) -> int:
         """How many steps recorded at least one event."""
-        return len(self.steps())
+        if self._steps is None:
+            return int(self._query_one("SELECT count(*) FROM steps"))
+        return len(self._steps)
 
     @property
     def num_events(self) -> int:
@@ -367,6 +369,12 @@ class Trace:
                 return
             time.sleep(poll)
 
+    def check(self) -> None:
+        """Read the whole file and raise TraceError if SQLite finds it damaged (slow on big files)."""
+        problems = [r[0] for r in self._query("PRAGMA quick_check(5)")]
+        if problems != ["ok"]:
+            raise TraceError(f"{self.name}: corrupt trace file ({'; '.join(map(str, problems))})")
+
     def close(self) -> None:
         with self._lock:
             self._conn.close()
@@ -416,12 +424,12 @@ def _step_info(row: tuple[Any, ...], name: str) -> StepInfo:
     values = dict(zip(STEP_COLUMNS, row, strict=True))
     try:
         values["req_ids"] = tuple(json.loads(values["req_ids"] or "[]"))
-    except ValueError as exc:
+        for key in ("batch_size", "num_tokens", "output_tokens", "num_events", "spec_proposed", "spec_accepted"):
+            values[key] = int(values[key] or 0)
+        values["forward_ms"] = float(values["forward_ms"] or 0.0)
+        return StepInfo(**values)
+    except (TypeError, ValueError) as exc:
         raise TraceError(f"{name}: corrupt step {values['step']} ({exc})") from None
-    for key in ("batch_size", "num_tokens", "output_tokens", "num_events", "spec_proposed", "spec_accepted"):
-        values[key] = int(values[key] or 0)
-    values["forward_ms"] = float(values["forward_ms"] or 0.0)
-    return StepInfo(**values)
 
 
 def _select(columns: str, kind: str | Sequence[str] | None, req_id: str | None,

@@ -20,18 +20,21 @@ SIGKILL leaves a file holding every batch committed before the kill. Never pickl
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime as _dt
+import enum
 import json
 import os
 import queue
 import sqlite3
 import threading
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from workbench.trace.events import SCHEMA_VERSION, Event
+
+if TYPE_CHECKING:
+    import numpy as np
 
 FORMAT = "wbtrace"
 APPLICATION_ID = 0x57425452  # "WBTR": lets tools recognise the file from its SQLite header
@@ -62,13 +65,17 @@ STEP_COLUMNS = (
 
 
 def json_dumps(value: Any) -> str:
-    """Compact JSON; numpy scalars/arrays become lists, anything else unknown becomes its str()."""
+    """Compact JSON; numpy values become lists, dataclasses dicts, enums their value, the rest str()."""
     return json.dumps(value, separators=(",", ":"), allow_nan=True, default=_json_default)
 
 
 def _json_default(obj: Any) -> Any:
-    if hasattr(obj, "tolist"):
+    if hasattr(obj, "tolist"):  # numpy scalars and arrays, CPU tensors
         return obj.tolist()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, enum.Enum):
+        return obj.value
     if isinstance(obj, (set, frozenset)):
         return sorted(obj, key=repr)
     return str(obj)
@@ -178,6 +185,7 @@ def upsert_steps(conn: sqlite3.Connection, summaries: list[StepSummary]) -> None
 
 def tensor_bytes(array: Any) -> bytes:
     """Safetensors bytes of one array under the key "data"."""
+    import numpy as np
     from safetensors.numpy import save
 
     return save({"data": np.ascontiguousarray(array)})
@@ -185,6 +193,8 @@ def tensor_bytes(array: Any) -> bytes:
 
 def to_numpy(array: Any) -> np.ndarray:
     """A private numpy copy of an array or a CPU/GPU tensor (duck-typed: torch is never imported)."""
+    import numpy as np
+
     if hasattr(array, "detach"):
         tensor = array.detach()
         if str(tensor.dtype) in ("torch.bfloat16", "torch.float8_e4m3fn", "torch.float8_e5m2"):
@@ -246,11 +256,10 @@ class TraceWriter:
         self._raise_error()
 
     def close(self) -> None:
-        """Flush, mark the trace finished and close the file (idempotent)."""
+        """Flush, mark the trace finished and close the file (idempotent); RuntimeError if writing failed."""
         if self._closed:
             return
         self.set_meta("finished", True)
-        self.flush()
         self._closed = True
         self._queue.put(("stop",))
         self._thread.join()

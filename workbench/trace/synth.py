@@ -17,6 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from workbench.trace import events as ev
+from workbench.trace.events import Event
 from workbench.trace.store import StepSummary, create_indexes, create_schema, json_dumps, upsert_steps
 
 _WORDS = ["the", " cat", " sat", " on", " a", " mat", ".", "\n", " é", " naïve", " 日本", ' "q"', " \\", " ok",
@@ -292,3 +294,35 @@ def write_synthetic_trace(path: str | os.PathLike[str], num_events: int = 1_000_
     num_steps = sim.step_no
     return {"events": sim.next_id - 1, "steps": num_steps, "requests": sim.num_requests,
             "bytes": os.path.getsize(path)}
+
+
+def example_events(step: int = 0, req_id: str = "req-0", t: float = 1.0) -> list[Event]:
+    """One hand-written event of every kind, with plausible payloads (for tests and docs)."""
+    r, b = {"step": step, "req_id": req_id, "t": t}, {"step": step, "req_id": None, "t": t}
+    return [
+        ev.RequestAdded(**r, prompt=[{"role": "user", "content": "Hi é 🙂"}], prompt_ids=[1, 2, 3],
+                        params={"temperature": 0.0, "max_new_tokens": 8, "stop": ["\n"]}),
+        ev.ScheduleDecision(**b, mode="EXTEND", prefill=[{"req_id": req_id, "start": 0, "length": 3,
+                                                          "last_chunk": True}], running=[req_id],
+                            token_budget=512, tokens_scheduled=3, kv_used=3, kv_total=64),
+        ev.KVEvent(**b, op="alloc", slots=[1, 2, 3], reason="schedule", kv_used=3, kv_total=64),
+        ev.ForwardBatchBuilt(**b, forward_mode="EXTEND", batch_size=1, input_ids=[1, 2, 3], seq_lens=[3],
+                             out_cache_loc=[1, 2, 3], positions=[0, 1, 2], extend_prefix_lens=[0],
+                             extend_seq_lens=[3], req_ids=[req_id], sampling_info=[{"temperature": 0.0}]),
+        ev.ForwardDone(**b, forward_mode="EXTEND", num_tokens=3, batch_size=1, forward_ms=2.5, sample_ms=0.1),
+        ev.Logits(**r, position=0, top_ids=[7, 8], top_logits=[3.5, 1.25], entropy=0.4),
+        ev.SamplingStages(**r, position=0, stages=[{"name": "temperature", "top_ids": [7, 8],
+                                                    "top_probs": [0.9, 0.1], "kept_mass": 1.0, "applied": False}],
+                          chosen=7, greedy=True),
+        ev.SpecDraft(**r, drafter="ngram", tokens=[9, 10], q=[1.0, 1.0], texts=[" a", " b"]),
+        ev.SpecVerify(**r, draft_tokens=[9, 10], p=[0.5, 0.2], q=[1.0, 1.0], u=[None, None],
+                      accepted=[True, False], num_accepted=1, extra_token=11, extra_kind="target"),
+        ev.TokenChosen(**r, position=0, token_id=7, text=" é", logprob=-0.105, rank=1,
+                       top_logprobs=[[7, -0.105, " é"], [8, -2.3, "\n"]]),
+        ev.DetokState(**r, new_ids=[7], read_offset=1, decoded_len=2, delta=" é"),
+        ev.FinishDecision(**r, checks=[{"name": "length", "inputs": {"output_len": 1}, "result": False}]),
+        ev.Stamp(**r, stage="sampled", detail={"ms": 1.5}),
+        ev.EngineError(**b, message="boom", affected=[req_id]),
+        ev.RequestFinished(**r, text=" é", output_ids=[7], finish_reason="stop", matched_stop=7,
+                           evidence={"type": "stop", "matched": 7}, usage={"prompt_tokens": 3}),
+    ]
