@@ -126,6 +126,15 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or not self._inbox.empty() or not self._aborts.empty()
 
+    def forget(self, req_id: str) -> RequestOutput | None:
+        """Drop a finished request's bookkeeping and return its output, so a long-running caller (the
+        server) does not keep every request forever. Call from the stepping thread."""
+        req = self.reqs.get(req_id)
+        if req is not None and not req.finished:
+            raise ValueError(f"request {req_id!r} has not finished; abort it first")
+        self.reqs.pop(req_id, None)
+        return self.finished.pop(req_id, None)
+
     # --- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
