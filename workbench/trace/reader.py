@@ -113,6 +113,7 @@ class Trace:
         uri = "file:" + urllib.parse.quote(os.path.abspath(self.path)) + "?mode=ro"
         self._lock = threading.RLock()
         self._steps: list[StepInfo] | None = None
+        self._num_steps: int | None = None
         try:
             self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
         except sqlite3.Error as exc:
@@ -205,10 +206,10 @@ class Trace:
 
     @property
     def num_steps(self) -> int:
-        """How many steps recorded at least one event."""
-        if self._steps is None:
-            return int(self._query_one("SELECT count(*) FROM steps"))
-        return len(self._steps)
+        """How many steps recorded at least one event (as of opening or the last `refresh()`)."""
+        if self._num_steps is None:
+            self._num_steps = int(self._query_one("SELECT count(*) FROM steps"))
+        return self._num_steps
 
     @property
     def num_events(self) -> int:
@@ -225,6 +226,7 @@ class Trace:
         if self._steps is None:
             rows = self._query(f"SELECT {', '.join(STEP_COLUMNS)} FROM steps ORDER BY step")
             self._steps = [_step_info(row, self.name) for row in rows]
+            self._num_steps = len(self._steps)
         return self._steps
 
     def step(self, n: int) -> list[Event]:
@@ -340,7 +342,7 @@ class Trace:
         before = self._last_id
         self.meta = self._load_meta()
         self._last_id = self._query_one("SELECT coalesce(max(id), 0) FROM events")
-        self._steps = None
+        self._steps = self._num_steps = None
         return int(self._last_id - before)
 
     def follow(self, poll: float = 0.2, from_start: bool = False,
@@ -356,7 +358,8 @@ class Trace:
             rows = self._query(f"SELECT {_EVENT_COLUMNS} FROM events WHERE id > ? ORDER BY id LIMIT ?", (last, _CHUNK))
             if rows:
                 last = max(last, rows[-1][0])
-                self._last_id, self._steps, idle_since = max(self._last_id, last), None, time.monotonic()
+                self._last_id, idle_since = max(self._last_id, last), time.monotonic()
+                self._steps = self._num_steps = None
                 yield from (self._event(row) for row in rows)
                 continue
             finished = self._query_one("SELECT value FROM meta WHERE key = 'finished'")
@@ -371,9 +374,9 @@ class Trace:
 
     def check(self) -> None:
         """Read the whole file and raise TraceError if SQLite finds it damaged (slow on big files)."""
-        problems = [r[0] for r in self._query("PRAGMA quick_check(5)")]
+        problems = [" ".join(str(r[0]).split()) for r in self._query("PRAGMA quick_check(3)")]
         if problems != ["ok"]:
-            raise TraceError(f"{self.name}: corrupt trace file ({'; '.join(map(str, problems))})")
+            raise TraceError(f"{self.name}: corrupt trace file ({'; '.join(problems)[:300]})")
 
     def close(self) -> None:
         with self._lock:

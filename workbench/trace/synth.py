@@ -39,7 +39,11 @@ class _Pools:
         self.logits: list[str] = []
         self.sampling: list[str] = []
         self.token: list[str] = []
+        self.draft: list[str] = []
+        self.verify: list[str] = []
+        self.accepted: list[int] = []
         for k in range(_POOL):
+            self.add_spec(rng)
             top = [rng.randrange(_VOCAB) for _ in range(5)]
             probs = sorted((round(rng.random() / 2, 4) for _ in range(5)), reverse=True)
             lp, draw, w = round(-rng.expovariate(2.0), 4), round(rng.random(), 4), k % len(_WORDS)
@@ -56,6 +60,20 @@ class _Pools:
                                  f'"seeded":true')
             self.token.append(f'"token_id":{top[0]},"text":{_TEXT_JSON[w]},"logprob":{lp},'
                               f'"rank":{1 + (draw > 0.7)},"top_logprobs":[{alts}]')
+
+
+    def add_spec(self, rng: random.Random, k: int = 3) -> None:
+        drafts = [rng.randrange(_VOCAB) for _ in range(k)]
+        q = [round(rng.random(), 4) for _ in range(k)]
+        n = next((i for i in range(k) if rng.random() < 0.35), k)
+        self.accepted.append(n)
+        self.draft.append(json_dumps({"drafter": "ngram", "tokens": drafts, "q": q,
+                                      "texts": [rng.choice(_WORDS) for _ in range(k)]}))
+        self.verify.append(json_dumps({
+            "draft_tokens": drafts, "p": [round(rng.random(), 4) for _ in range(k)], "q": q,
+            "u": [round(rng.random(), 4) for _ in range(k)], "accepted": [i < n for i in range(k)],
+            "num_accepted": n, "extra_token": rng.randrange(_VOCAB), "extra_kind": "bonus" if n == k else "recovered",
+            "target_argmax": drafts, "freed_slots": list(range(k - n)), "greedy": False}))
 
 
 @dataclass(slots=True)
@@ -191,22 +209,14 @@ class _Sim:
                                     "forward_ms": round(ms, 3), "sample_ms": 0.4, "model": model})
 
     def verify(self, req: _Req) -> list[str]:
-        rng, k = self.rng, 3
-        drafts = [rng.randrange(_VOCAB) for _ in range(k)]
-        q = [round(rng.random(), 4) for _ in range(k)]
-        self.emit("spec.draft", req.rid, {"drafter": "ngram", "tokens": drafts, "q": q,
-                                          "texts": [rng.choice(_WORDS) for _ in range(k)]})
-        n = next((i for i in range(k) if rng.random() < 0.35), k)
-        accepted = [i < n for i in range(k)]
-        extra = "spec_bonus" if n == k else "spec_recover"
-        self.emit("spec.verify", req.rid, {
-            "draft_tokens": drafts, "p": [round(rng.random(), 4) for _ in range(k)], "q": q,
-            "u": [round(rng.random(), 4) for _ in range(k)], "accepted": accepted, "num_accepted": n,
-            "extra_token": rng.randrange(_VOCAB), "extra_kind": extra[5:], "target_argmax": drafts,
-            "freed_slots": list(range(k - n)), "greedy": False})
-        self.summary.spec_proposed += k
+        """A draft of 3 tokens and its verification; returns the sources of the tokens it yields."""
+        k, pools = int(self.rng.random() * _POOL), self.pools
+        n = pools.accepted[k]
+        self.emit("spec.draft", req.rid, pools.draft[k])
+        self.emit("spec.verify", req.rid, pools.verify[k])
+        self.summary.spec_proposed += 3
         self.summary.spec_accepted += n
-        return ["spec_accept"] * n + [extra]
+        return ["spec_accept"] * n + ["spec_bonus" if n == 3 else "spec_recover"]
 
     def tokens(self, req: _Req, sources: list[str]) -> None:
         """Logits, sampling stages, token, detokenizer and finish events for each new token."""
