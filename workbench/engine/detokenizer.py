@@ -106,6 +106,12 @@ def render_ids(tokenizer: Any, ids: Sequence[int], *, skip_special_tokens: bool 
     where the decoder would put a space. Tokenization clean-up is never applied: it rewrites text
     already streamed (" ." -> ".") and transformers skips it for BPE tokenizers anyway.
     """
+    return _renderer(tokenizer, skip_special_tokens, spaces_between_special_tokens)(ids)
+
+
+def _renderer(tokenizer: Any, skip_special_tokens: bool, spaces_between_special_tokens: bool
+              ) -> Callable[[Sequence[int]], str]:
+    """`render_ids` with its settings bound, built once per detokenizer (it runs for every token)."""
     facts = _facts(tokenizer)
     if facts.backend_decode is not None:
         backend_decode = facts.backend_decode
@@ -117,14 +123,19 @@ def render_ids(tokenizer: Any, ids: Sequence[int], *, skip_special_tokens: bool 
             return tokenizer.decode(list(part), skip_special_tokens=skip_special_tokens,
                                     clean_up_tokenization_spaces=False)
     if skip_special_tokens or spaces_between_special_tokens or not facts.added_ids:
-        return dec(ids)
-    added, parts, start = facts.added_ids, [], 0
-    for k in range(1, len(ids)):
-        if ids[k] in added and ids[k - 1] in added:
-            parts.append(dec(ids[start:k]))
-            start = k
-    parts.append(dec(ids[start:]))
-    return "".join(parts)
+        return dec
+    added = facts.added_ids
+
+    def joined(ids: Sequence[int]) -> str:
+        parts, start = [], 0
+        for k in range(1, len(ids)):
+            if ids[k] in added and ids[k - 1] in added:
+                parts.append(dec(ids[start:k]))
+                start = k
+        parts.append(dec(ids[start:]))
+        return "".join(parts)
+
+    return joined
 
 
 # --- stop strings --------------------------------------------------------------------------------
@@ -146,6 +157,7 @@ class _StopStrings:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         self.stops = tuple(dict.fromkeys(stops))
         self.max_len = max((len(s) for s in self.stops), default=0)
+        self._firsts = frozenset(s[0] for s in self.stops)
 
     def earliest(self, text: str) -> _StopMatch | None:
         """The match that completes first in `text` (smallest end); a tie goes to the earliest start."""
@@ -162,9 +174,10 @@ class _StopStrings:
     def hold_from(self, text: str) -> int:
         """Index where the held tail of `text` starts: the earliest suffix that is a proper prefix of a stop string."""
         for i in range(max(0, len(text) - self.max_len + 1), len(text)):
-            tail = text[i:]
-            if any(len(s) > len(tail) and s.startswith(tail) for s in self.stops):
-                return i
+            if text[i] in self._firsts:
+                tail = text[i:]
+                if any(len(s) > len(tail) and s.startswith(tail) for s in self.stops):
+                    return i
         return len(text)
 
 
@@ -208,6 +221,7 @@ class IncrementalDetokenizer:
         self._byte_ids = facts.byte_ids
         # ids the decoder never sees: they neither close nor open a run of byte tokens
         self._invisible = facts.special_ids if skip_special_tokens else frozenset()
+        self._render = _renderer(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         self._byte_run_open = False
         self._ids: list[int] = self._seed(list(prompt_ids or ()))
         self._num_seed = len(self._ids)
@@ -285,10 +299,6 @@ class IncrementalDetokenizer:
         return tail
 
     # -- internals -------------------------------------------------------------------------------
-
-    def _render(self, ids: Sequence[int]) -> str:
-        return render_ids(self.tokenizer, ids, skip_special_tokens=self.skip_special_tokens,
-                          spaces_between_special_tokens=self.spaces_between_special_tokens)
 
     def _seed(self, prompt_ids: list[int]) -> list[int]:
         seed = prompt_ids[-SEED_PROMPT_TOKENS:]
