@@ -1,0 +1,23 @@
+"""Notebook viewers: `TraceViewer` for a recorded trace, `LiveView` for a running engine, and the
+plotly figures and helpers the tutorial notebooks use.
+
+Imports plotly and ipywidgets, never workbench.engine: an engine is read through its tracer only.
+Everything reusable by the notebooks lives here; the notebooks hold no library code.
+"""
+
+from workbench.notebook.data import EventSource, RequestView, TraceSource, as_source
+from workbench.notebook.figures import (
+    batch_figure,
+    finish_figure,
+    show_token,
+    spec_figure,
+    stages_figure,
+    tokens_figure,
+)
+from workbench.notebook.live import LiveView
+from workbench.notebook.viewer import PANELS, TraceViewer
+
+__all__ = [
+    "PANELS", "EventSource", "LiveView", "RequestView", "TraceSource", "TraceViewer", "as_source",
+    "batch_figure", "finish_figure", "show_token", "spec_figure", "stages_figure", "tokens_figure",
+]
