@@ -207,7 +207,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True, stop: Sequence[str] | str = (),
+                 spaces_between_special_tokens: bool = True, stop: Sequence[str] | str | None = (),
                  include_stop_str_in_output: bool = False, prompt_ids: Sequence[int] | None = None,
                  min_new_tokens: int = 0) -> None:
         if min_new_tokens < 0:
@@ -217,7 +217,7 @@ class IncrementalDetokenizer:
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.include_stop_str_in_output = include_stop_str_in_output
         self.min_new_tokens = min_new_tokens
-        self._stops = _StopStrings([stop] if isinstance(stop, str) else list(stop))
+        self._stops = _StopStrings([stop] if isinstance(stop, str) else list(stop or ()))
         facts = _facts(tokenizer)
         self._byte_ids = facts.byte_ids
         # ids the decoder never sees: they neither close nor open a run of byte tokens
