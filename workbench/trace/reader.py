@@ -27,13 +27,12 @@ from workbench.trace.events import (
     TokenChosen,
     event_from_json,
 )
-from workbench.trace.store import FORMAT, STEP_COLUMNS
+from workbench.trace.store import FORMAT, STEP_COLUMNS, events_sql, file_problem
 
 if TYPE_CHECKING:
     import numpy as np
     import pandas as pd
 
-SQLITE_MAGIC = b"SQLite format 3\x00"
 _EVENT_COLUMNS = "id, step, req_id, kind, t, payload"
 _CHUNK = 2000  # rows fetched per round trip while iterating
 _TOKEN_COLUMNS = ["req_id", "position", "step", "token_id", "text", "logprob", "rank", "source", "t"]
@@ -109,7 +108,9 @@ class Trace:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         self.name = os.path.basename(self.path)
-        _check_file(self.path, self.name)
+        problem = file_problem(self.path)
+        if problem:
+            raise TraceError(f"{self.name}: {problem}")
         uri = "file:" + urllib.parse.quote(os.path.abspath(self.path)) + "?mode=ro"
         self._lock = threading.RLock()
         self._steps: list[StepInfo] | None = None
@@ -243,7 +244,7 @@ class Trace:
         `kind`: one kind or a list of kinds; `req_id`: one request; `step_range=(a, b)`: steps a
         through b inclusive; `limit`: at most this many. Rows are read in chunks as you iterate.
         """
-        sql, params = _select(_EVENT_COLUMNS, kind, req_id, step_range, limit)
+        sql, params = events_sql(_EVENT_COLUMNS, kind, req_id, step_range, limit)
         return (self._event(row) for row in self._iter_rows(sql, params))
 
     def requests(self) -> list[RequestInfo]:
@@ -326,7 +327,7 @@ class Trace:
                             step_range: tuple[int, int] | None, limit: int | None,
                             ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
         """Matching rows and their parsed payloads (one json.loads for all: 3x faster than per row)."""
-        rows = self._query(*_select(_EVENT_COLUMNS, kind, req_id, step_range, limit))
+        rows = self._query(*events_sql(_EVENT_COLUMNS, kind, req_id, step_range, limit))
         try:
             payloads = json.loads("[" + ",".join(r[5] for r in rows) + "]")
             if len(payloads) == len(rows) and all(isinstance(p, dict) for p in payloads):
@@ -399,30 +400,6 @@ def _is_version(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _check_file(path: str, name: str) -> None:
-    """Reject what SQLite would misreport: missing, empty, foreign, or truncated files."""
-    if not os.path.exists(path):
-        raise TraceError(f"{name}: no such trace file")
-    if os.path.isdir(path):
-        raise TraceError(f"{name}: is a directory, not a trace file")
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        header = f.read(100)
-    if size == 0:
-        raise TraceError(f"{name}: empty file, not a workbench trace")
-    if not header.startswith(SQLITE_MAGIC):
-        raise TraceError(f"{name}: not a workbench trace (not an SQLite database)")
-    if len(header) < 100:
-        raise TraceError(f"{name}: truncated trace file ({size} bytes)")
-    page_size = int.from_bytes(header[16:18], "big")
-    page_size = 65536 if page_size == 1 else page_size
-    pages = int.from_bytes(header[28:32], "big")
-    header_size_valid = header[24:28] == header[92:96]
-    live = os.path.exists(path + "-wal")  # a live writer may be mid-checkpoint; SQLite checks then
-    if header_size_valid and not live and size < pages * page_size:
-        raise TraceError(f"{name}: truncated trace file ({size} of {pages * page_size} bytes)")
-
-
 def _step_info(row: tuple[Any, ...], name: str) -> StepInfo:
     values = dict(zip(STEP_COLUMNS, row, strict=True))
     try:
@@ -433,27 +410,3 @@ def _step_info(row: tuple[Any, ...], name: str) -> StepInfo:
         return StepInfo(**values)
     except (TypeError, ValueError) as exc:
         raise TraceError(f"{name}: corrupt step {values['step']} ({exc})") from None
-
-
-def _select(columns: str, kind: str | Sequence[str] | None, req_id: str | None,
-            step_range: tuple[int, int] | None, limit: int | None) -> tuple[str, list[Any]]:
-    """SQL for the event filters, ordered (step, id) so that each index also gives the order."""
-    where, params = [], []
-    if isinstance(kind, str):
-        where, params = ["kind = ?"], [kind]
-    elif kind is not None:
-        kinds = list(kind)
-        where, params = [f"kind IN ({', '.join('?' * len(kinds))})"], kinds
-    if req_id is not None:
-        where.append("req_id = ?")
-        params.append(req_id)
-    if step_range is not None:
-        lo, hi = step_range
-        where.append("step BETWEEN ? AND ?")
-        params += [int(lo), int(hi)]
-    sql = f"SELECT {columns} FROM events" + (" WHERE " + " AND ".join(where) if where else "")
-    sql += " ORDER BY step, id"
-    if limit is not None:
-        sql += " LIMIT ?"
-        params.append(int(limit))
-    return sql, params

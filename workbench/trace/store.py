@@ -1,8 +1,9 @@
 """The `.wbtrace` file: an SQLite database written by a background thread.
 
-Owns: the on-disk layout (tables `meta`, `events`, `steps`, `tensors`), the `TraceWriter` sink that
-fills it without making the engine thread wait on disk, and the per-step summaries the reader uses
-to open large traces instantly. Does not own: what events mean (events.py), reading (reader.py).
+Owns: the on-disk layout (tables `meta`, `events`, `steps`, `tensors`, their indexes and the SQL
+that uses them), the `TraceWriter` sink that fills it without making the engine thread wait on
+disk, and the per-step summaries the reader uses to open large traces instantly. Does not own: what
+events mean (events.py) or the reader's API (reader.py).
 
 Layout (schema version `events.SCHEMA_VERSION`):
 
@@ -28,6 +29,7 @@ import os
 import queue
 import sqlite3
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 FORMAT = "wbtrace"
+SQLITE_MAGIC = b"SQLite format 3\x00"
 APPLICATION_ID = 0x57425452  # "WBTR": lets tools recognise the file from its SQLite header
 MAX_BATCH = 4096  # queue items per transaction, so one commit never grows without bound
 
@@ -105,6 +108,55 @@ def create_schema(conn: sqlite3.Connection, meta: dict[str, Any], indexes: bool 
 
 def create_indexes(conn: sqlite3.Connection) -> None:
     conn.executescript(f"BEGIN; {_INDEXES} COMMIT;")
+
+
+def file_problem(path: str) -> str | None:
+    """Why `path` cannot be a trace, for what SQLite would misreport (missing, empty, foreign, truncated)."""
+    if not os.path.exists(path):
+        return "no such trace file"
+    if os.path.isdir(path):
+        return "is a directory, not a trace file"
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        header = f.read(100)
+    if size == 0:
+        return "empty file, not a workbench trace"
+    if not header.startswith(SQLITE_MAGIC):
+        return "not a workbench trace (not an SQLite database)"
+    if len(header) < 100:
+        return f"truncated trace file ({size} bytes)"
+    page_size = int.from_bytes(header[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    pages = int.from_bytes(header[28:32], "big")
+    header_size_valid = header[24:28] == header[92:96]
+    live = os.path.exists(path + "-wal")  # a live writer may be mid-checkpoint; SQLite checks then
+    if header_size_valid and not live and size < pages * page_size:
+        return f"truncated trace file ({size} of {pages * page_size} bytes)"
+    return None
+
+
+def events_sql(columns: str, kind: str | Sequence[str] | None, req_id: str | None,
+               step_range: tuple[int, int] | None, limit: int | None) -> tuple[str, list[Any]]:
+    """SQL for the event filters, ordered (step, id) so that each index also gives the order."""
+    where, params = [], []
+    if isinstance(kind, str):
+        where, params = ["kind = ?"], [kind]
+    elif kind is not None:
+        kinds = list(kind)
+        where, params = [f"kind IN ({', '.join('?' * len(kinds))})"], kinds
+    if req_id is not None:
+        where.append("req_id = ?")
+        params.append(req_id)
+    if step_range is not None:
+        lo, hi = step_range
+        where.append("step BETWEEN ? AND ?")
+        params += [int(lo), int(hi)]
+    sql = f"SELECT {columns} FROM events" + (" WHERE " + " AND ".join(where) if where else "")
+    sql += " ORDER BY step, id"
+    if limit is not None:
+        sql += " LIMIT ?"
+        params.append(int(limit))
+    return sql, params
 
 
 @dataclass(slots=True)
