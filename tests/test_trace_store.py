@@ -163,6 +163,19 @@ def test_a_broken_disk_stops_the_writer_but_not_the_engine(tmp_path: Path) -> No
         writer.close()
 
 
+def test_a_malformed_event_or_tensor_is_dropped_and_counted(tmp_path: Path) -> None:
+    path = tmp_path / "run.wbtrace"
+    with TraceWriter(path) as writer:
+        writer.write(ev.Stamp(step="not a step", req_id="r"))  # type: ignore[arg-type]
+        writer.write(ev.Stamp(step=2**70, req_id="r"))
+        writer.write_tensor("bad", 0, None, object())  # safetensors cannot store an object array
+        writer.write(ev.Stamp(step=1, req_id="r", t=float("nan"), stage="ok"))
+    assert writer.dropped == 3
+    with open_trace(path) as trace:
+        assert [e.stage for e in trace.events()] == ["ok"] and trace.tensor_names() == []
+        assert trace.meta["dropped"]["count"] == 3 and "bad" in trace.meta["dropped"]["last_error"]
+
+
 CHILD = textwrap.dedent("""
     import sys, time
     from workbench.trace import events as ev

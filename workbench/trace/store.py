@@ -281,6 +281,8 @@ class TraceWriter:
         self._closed = False
         self.error: BaseException | None = None
         self.num_events = 0
+        self.dropped = 0  # malformed items skipped (see meta "dropped" in the file)
+        self.last_drop = ""
         self._next_id = 1
         self._steps: dict[int, StepSummary] = {}
         self._thread = threading.Thread(target=self._run, name="wbtrace-writer", daemon=True)
@@ -291,11 +293,15 @@ class TraceWriter:
 
     def write(self, event: Event) -> None:
         self._check_open()
-        self._queue.put(("event", event))
+        if self.error is None:  # after a disk failure, events are dropped rather than queued forever
+            self._queue.put(("event", event))
 
     def write_tensor(self, name: str, step: int, req_id: str | None, array: Any) -> None:
         self._check_open()
-        self._queue.put(("tensor", name, int(step), req_id, to_numpy(array)))
+        try:
+            self._queue.put(("tensor", str(name), int(step), req_id, to_numpy(array)))
+        except Exception as exc:  # counted by the writer thread like any malformed item
+            self._queue.put(("error", name, f"cannot copy tensor: {exc}"))
 
     def set_meta(self, key: str, value: Any) -> None:
         self._check_open()
@@ -361,31 +367,46 @@ class TraceWriter:
     def _commit(self, items: list[tuple[Any, ...]]) -> None:
         rows: list[tuple[Any, ...]] = []
         touched: dict[int, StepSummary] = {}
-        conn = self._conn
+        conn, dropped = self._conn, self.dropped
         conn.execute("BEGIN")
         for item in items:
-            if item[0] == "event":
-                rows.append(self._event_row(item[1], touched))
-            elif item[0] == "tensor":
-                _, name, step, req_id, array = item
-                conn.execute("INSERT OR REPLACE INTO tensors VALUES (?, ?, ?, ?)",
-                             (name, step, req_id, tensor_bytes(array)))
-            elif item[0] == "meta":
-                conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (item[1], json_dumps(item[2])))
+            try:
+                if item[0] == "event":
+                    rows.append(self._event_row(item[1], touched))
+                elif item[0] == "tensor":
+                    _, name, step, req_id, array = item
+                    conn.execute("INSERT OR REPLACE INTO tensors VALUES (?, ?, ?, ?)",
+                                 (name, step, req_id, tensor_bytes(array)))
+                elif item[0] == "meta":
+                    conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (item[1], json_dumps(item[2])))
+                elif item[0] == "error":
+                    raise ValueError(item[2])
+            except sqlite3.Error:
+                raise  # the file itself is failing: stop writing
+            except Exception as exc:  # one malformed item is dropped (and counted), never the whole run
+                self.dropped += 1
+                self.last_drop = f"{item[0]} {getattr(item[1], 'kind', item[1])!s:.40}: {exc!s:.200}"
         if rows:
             conn.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?, ?)", rows)
             upsert_steps(conn, list(touched.values()))
+        if self.dropped != dropped:
+            note = json_dumps({"count": self.dropped, "last_error": self.last_drop})
+            conn.execute("INSERT OR REPLACE INTO meta VALUES ('dropped', ?)", (note,))
         conn.execute("COMMIT")
         self.num_events += len(rows)
         self._forget_old_steps()
 
     def _event_row(self, event: Event, touched: dict[int, StepSummary]) -> tuple[Any, ...]:
-        payload = event.payload()
+        step, t, payload = int(event.step), float(event.t), event.payload()
+        if not -(2**63) <= step < 2**63:
+            raise ValueError(f"step {step} does not fit in 64 bits")
+        t = 0.0 if t != t else t  # SQLite would store NaN as NULL
+        text = json_dumps(payload)
+        summary = self._summary(step)
+        summary.add(self._next_id, event.kind, t, payload)
+        touched[step] = summary
         event_id, self._next_id = self._next_id, self._next_id + 1
-        summary = self._summary(int(event.step))
-        summary.add(event_id, event.kind, float(event.t), payload)
-        touched[summary.step] = summary
-        return (event_id, int(event.step), event.req_id, event.kind, float(event.t), json_dumps(payload))
+        return (event_id, step, event.req_id, event.kind, t, text)
 
     def _summary(self, step: int) -> StepSummary:
         if step not in self._steps:
