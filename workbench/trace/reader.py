@@ -103,7 +103,13 @@ def open_trace(path: str | os.PathLike[str]) -> Trace:
 
 
 class Trace:
-    """A read-only, lazy view of one trace file. Use as a context manager or call `close()`."""
+    """A read-only, lazy view of one trace file. Use as a context manager or call `close()`.
+
+    `meta`, `schema_version`, `finished`, `num_steps`, `num_events`; `steps()` (summaries),
+    `step(n)` (its events), `events(kind, req_id, step_range, limit)`, `requests()`,
+    `timeline(req_id)`, `tensor(name)`, `*_frame()` (pandas), `refresh()` / `follow()` for a file
+    still being written, `check()` for a full integrity scan. One connection, safe across threads.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
