@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 import pytest
-from test_notebook_data import scenario_events
 
+from tests.test_notebook_data import scenario_events
 from workbench.notebook import LiveView
 from workbench.trace.recorder import MemorySink, Tracer
 

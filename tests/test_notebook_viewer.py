@@ -10,8 +10,8 @@ from pathlib import Path
 import plotly.graph_objects as go
 import pytest
 from plotly.callbacks import InputDeviceState, Points
-from test_notebook_data import _stages, write_scenario
 
+from tests.test_notebook_data import _stages, write_scenario
 from workbench.notebook import PANELS, TraceViewer
 from workbench.notebook.figures import ACCEPT, DISCARD, REJECT
 
@@ -81,8 +81,7 @@ def test_picker_moves_every_figure_to_that_request(trace_path: str) -> None:
 
 
 def test_picking_a_request_that_had_not_started_moves_to_its_first_step(tmp_path: Path) -> None:
-    from test_notebook_data import scenario_events
-
+    from tests.test_notebook_data import scenario_events
     from workbench.trace import events as ev
 
     late = [ev.RequestAdded(step=4, req_id="req-late", t=4.0, prompt="late"),

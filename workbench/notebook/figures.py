@@ -87,7 +87,7 @@ def tokens_figure(req: RequestView | None, step: int | None) -> go.Figure:
             mode="markers", hoverinfo="skip",
             marker={"size": 22, "color": "rgba(0,0,0,0)", "line": {"width": 3, "color": "#222"}}))
     low = min((lp for lp in logprobs if not math.isnan(lp)), default=-1.0)
-    fig.update_yaxes(title_text="logprob", range=[min(low, -1.0) - 0.5, 0.6])
+    fig.update_yaxes(title_text="logprob", range=[min(low, -1.0) - 0.5, 1.0])
     fig.update_xaxes(title_text="output position")
     return fig
 
@@ -189,8 +189,7 @@ def spec_figure(verifies: Sequence[SpecVerify], step: int | None, vocab: dict[in
     rows = [f"step {v.step}" for v in verifies]
     accepted = sum(v.num_accepted for v in verifies)
     proposed = sum(len(v.draft_tokens) for v in verifies)
-    fig = _figure(f"speculative drafts: {accepted}/{proposed} accepted "
-                  "(green accepted · red rejected · grey discarded)", max(200, 60 + 26 * len(verifies)))
+    fig = _figure(f"speculative drafts: {accepted}/{proposed} accepted", max(200, 90 + 26 * len(verifies)))
     fig.add_trace(go.Heatmap(name="spec", z=z, x=list(range(width)), y=rows, text=text, texttemplate="%{text}",
                              hovertext=hover, hoverinfo="text", zmin=0.0, zmax=1.0, colorscale=_SPEC_COLOURS,
                              showscale=False, xgap=2, ygap=2))
@@ -198,7 +197,7 @@ def spec_figure(verifies: Sequence[SpecVerify], step: int | None, vocab: dict[in
     if current is not None:
         fig.add_shape(type="rect", x0=-0.5, x1=width - 0.5, y0=current - 0.5, y1=current + 0.5,
                       line={"color": "#222", "width": 3}, name="selected")
-    fig.update_xaxes(title_text="draft position", dtick=1)
+    fig.update_xaxes(title_text="draft position (green accepted · red rejected · grey discarded)", dtick=1)
     fig.update_yaxes(autorange="reversed", type="category")
     return fig
 
@@ -235,10 +234,10 @@ def batch_figure(steps: Sequence[StepInfo], step: int | None, req_steps: Collect
                              hovertemplate="step %{x}: %{y:.2f}% of the KV pool<extra></extra>"), secondary_y=True)
     if step is not None:
         fig.add_vline(x=step, line_width=2, line_color="#222", line_dash="dot")
-    fig.update_layout(title={"text": "batch size (dark: the selected request ran) and KV usage", "font": {"size": 14}},
+    fig.update_layout(title={"text": "batch size and KV usage", "font": {"size": 14}},
                       height=HEIGHT - 40, template="plotly_white", showlegend=False,
                       margin={"l": 50, "r": 50, "t": 45, "b": 40})
-    fig.update_xaxes(title_text="step")
+    fig.update_xaxes(title_text="step (dark bars: the selected request ran)")
     fig.update_yaxes(title_text="requests", secondary_y=False)
     fig.update_yaxes(title_text="KV used %", secondary_y=True, rangemode="tozero")
     return fig
@@ -248,22 +247,26 @@ def batch_figure(steps: Sequence[StepInfo], step: int | None, req_steps: Collect
 
 
 def finish_figure(decision: FinishDecision | None, finished: RequestFinished | None = None) -> go.Figure:
-    """The finish checks of one step, in the order the engine made them, with inputs and result."""
+    """The finish checks of one step, in the order the engine made them, with inputs and result;
+    the evidence of the check that fired, and the request's final reason once it has finished."""
     if decision is None:
         return _note(_figure("finish decision", 220), "no finish decision yet")
-    outcome = decision.finish_reason or "continue"
-    title = f"finish checks at step {decision.step}: {outcome}"
+    title = f"finish checks at step {decision.step}: {decision.finish_reason or 'continue'}"
+    notes = []
     if decision.evidence:
-        title += f" · evidence {html.escape(json.dumps(decision.evidence), quote=False)}"
-    if finished is not None and finished.step == decision.step:
-        title += f" · final text {html.escape(repr(finished.text[-40:]), quote=False)}"
+        notes.append(f"evidence {json.dumps(decision.evidence)}")
+    if finished is not None and finished.step > decision.step:
+        notes.append(f"(finished later, at step {finished.step}: {finished.finish_reason})")
+    if notes:
+        title += "<br><sup>" + html.escape(" ".join(notes)[:120], quote=False) + "</sup>"
     names = [str(c.get("name", "?")) for c in decision.checks]
     inputs = [html.escape(json.dumps(c.get("inputs", {}), default=str), quote=False) for c in decision.checks]
     results = ["fired" if c.get("result") else "–" for c in decision.checks]
     fill = ["#ffd8a8" if c.get("result") else "white" for c in decision.checks]
-    fig = _figure(title, 90 + 24 * max(1, len(names)))
+    fig = _figure(title, 120 + 36 * max(1, len(names)))
+    fig.update_layout(margin={"t": 60})
     fig.add_trace(go.Table(
-        name="checks", columnwidth=[0.2, 0.65, 0.15],
+        name="checks", columnwidth=[0.22, 0.63, 0.15],
         header={"values": ["check", "inputs", "result"], "fill_color": "#eeeeee", "align": "left"},
         cells={"values": [names, inputs, results], "fill_color": [fill], "align": "left", "height": 22}))
     return fig
