@@ -131,6 +131,7 @@ def test_step_summaries_follow_schedule_forward_and_spec_events(tmp_path: Path) 
         writer.write(ev.KVEvent(step=1, t=2.4, op="rollback", slots=[9], kv_used=4, kv_total=64))
     with open_trace(path) as trace:
         first, second = trace.steps()
+        assert trace.last_complete_step == 1  # finished: every step is complete
     assert (first.mode, first.batch_size, first.num_tokens, first.req_ids) == ("EXTEND", 1, 3, ("a",))
     assert (first.output_tokens, first.num_events, first.forward_ms) == (1, 15, 2.5)
     assert (second.mode, second.num_tokens, second.forward_ms) == ("DECODE", 3, 5.0)
@@ -212,6 +213,7 @@ def test_sigkill_mid_run_leaves_every_committed_step(tmp_path: Path) -> None:
     with open_trace(path) as trace:
         assert not trace.finished and trace.meta["run"] == "killed"
         steps = trace.steps()
+        assert trace.last_complete_step == steps[-2].step >= flushed - 1
         assert len(steps) >= flushed + 1
         for info in steps:  # summaries and events were committed together: always consistent
             assert info.num_events == len(trace.step(info.step))

@@ -105,7 +105,7 @@ def open_trace(path: str | os.PathLike[str]) -> Trace:
 class Trace:
     """A read-only, lazy view of one trace file. Use as a context manager or call `close()`.
 
-    `meta`, `schema_version`, `finished`, `num_steps`, `num_events`; `steps()` (summaries),
+    `meta`, `schema_version`, `finished`, `num_steps`, `num_events`, `last_complete_step`; `steps()`,
     `step(n)` (its events), `events(kind, req_id, step_range, limit)`, `requests()`,
     `timeline(req_id)`, `tensor(name)`, `*_frame()` (pandas), `refresh()` / `follow()` for a file
     still being written, `check()` for a full integrity scan. One connection, safe across threads.
@@ -227,6 +227,16 @@ class Trace:
     def finished(self) -> bool:
         """True when the writer closed the file normally (False while live, or after a crash)."""
         return bool(self.meta.get("finished"))
+
+    @property
+    def last_complete_step(self) -> int | None:
+        """The last step known to be recorded in full: the last step of a finished trace; otherwise
+        the one before the last (a live writer, or one that was killed, may have committed only part
+        of its newest step)."""
+        rows = self._query("SELECT step FROM steps ORDER BY step DESC LIMIT 2")
+        if self.finished and rows:
+            return int(rows[0][0])
+        return int(rows[1][0]) if len(rows) == 2 else None
 
     def steps(self) -> list[StepInfo]:
         """Every step's summary, in step order (read once, until `refresh()`)."""
