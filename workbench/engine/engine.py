@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 from workbench.engine import tracing
-from workbench.engine.forward_batch import ForwardMode, build_forward_batch
+from workbench.engine.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from workbench.engine.grammar import GrammarBackend
+from workbench.engine.logprobs import store_prompt_logprobs
 from workbench.engine.memory import Memory
 from workbench.engine.model_runner import ModelRunner
 from workbench.engine.output import RequestOutput, StepOutput
@@ -60,10 +62,11 @@ class Engine:
                                    max_context_len=max_ctx, enable_mixed=enable_mixed)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer, max_ctx)
+        self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.outputs.eos_token_ids)
         self.config = {"model": self.loaded.spec, "device": self.device, "dtype": self.loaded.dtype,
                        "max_batch_tokens": max_batch_tokens, "chunk_size": chunk_size, "kv_tokens": kv_tokens,
                        "max_running": max_running, "enable_mixed": enable_mixed, "trace_topk": trace_topk,
-                       "seed": seed, "spec": spec if isinstance(spec, (str, dict, type(None))) else str(spec)}
+                       "seed": seed, "spec": spec if isinstance(spec, (str, dict, type(None))) else getattr(spec, "to_dict", spec.__str__)()}
         self.trace_topk = trace_topk
         self.tracer = tracing.make_tracer(trace, trace_level, trace_sinks, self)
         self.spec = None
@@ -106,14 +109,20 @@ class Engine:
         params.validate(self.vocab_size)
         prompt_ids = self.tokenize(prompt)
         self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
+        if params.grammar is not None:
+            self.grammars.compile(*params.grammar)  # ValueError now, not a crash mid-step
         base = req_id or f"req-{next(self._ids)}"
         ids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
+        if any(rid in self.reqs for rid in ids):
+            raise ValueError(f"req_id {base!r} is already in use")
+        first = None
         for i, rid in enumerate(ids):
-            if rid in self.reqs:
-                raise ValueError(f"req_id {rid!r} is already in use")
             seed = params.seed + i if params.seed is not None else None
             gen = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
-            req = Req(rid, prompt, prompt_ids, params, generator=gen, parent_id=base if params.n > 1 else None)
+            req = Req(rid, prompt, prompt_ids, params, generator=gen, parent_id=base if params.n > 1 else None,
+                      share_prefix_from=first)
+            first = first or req  # siblings copy the first one's prompt KV instead of recomputing it
+            req.grammar = self.grammars.new_state(params)
             self.outputs.init_request(req)
             self.reqs[rid] = req
             self._inbox.put(req)
@@ -145,6 +154,8 @@ class Engine:
         batch = self.scheduler.schedule()
         for req in batch.preempted:
             self._emit_free(req, "preempt")
+            if self.spec is not None:
+                self.spec.release(req)
         if self.tracer.on:
             self.tracer.emit(tracing.schedule_event(self, batch))
         if batch.mode is ForwardMode.IDLE:
@@ -154,15 +165,23 @@ class Engine:
         t0 = time.perf_counter()
         fb = build_forward_batch(batch.mode, batch.rows(), self.memory, self.device)
         sample_reqs = [batch.reqs[i] for i in fb.logits_owner]
-        fb.sampling_info = SamplingBatchInfo.build(sample_reqs, self.vocab_size, self.device)
+        fb.sampling_info = SamplingBatchInfo.build(sample_reqs, self.vocab_size, self.device,
+                                                   eos_token_ids=self.outputs.eos_token_ids)
         if self.tracer.on:
             self.tracer.emit(tracing.forward_batch_event(self, fb))
-        logits = self.runner.forward(fb)  # [num_sampled, vocab]
+        logits = self.runner.forward(fb)  # [num_sampled + num_prompt_logprob_rows, vocab]
         t1 = time.perf_counter()
         for chunk in batch.prefill:
             chunk.req.kv_len += chunk.length
         for req in batch.decode:
             req.kv_len += 1
+        if self.spec is not None:
+            self.spec.on_extend(batch)  # a draft model prefills the same chunks
+        logits = self._after_prefill(batch.prefill, fb, logits)  # [num_sampled, vocab]
+        if not sample_reqs:  # only mid-prompt chunks ran: nothing to sample this step
+            if self.tracer.on:
+                self.tracer.emit(tracing.forward_done_event(self, fb, t1 - t0, 0.0))
+            return results
         sample = self.sampler(logits, fb.sampling_info, self.trace_topk if self.tracer.on else 0)
         t2 = time.perf_counter()
         if self.tracer.on:
@@ -170,20 +189,61 @@ class Engine:
             tracing.emit_sampling(self, sample_reqs, logits, sample)
         new_tokens = {req.req_id: [tok] for req, tok in zip(sample_reqs, sample.next_token_ids, strict=True)}
         self.outputs.append_tokens(sample_reqs, sample, self.step_no)
-        return results + self._process_outputs(sample_reqs, new_tokens)
+        return results + self._process_outputs(sample_reqs, new_tokens) + self._finish_scored(batch.prefill)
+
+    def _after_prefill(self, prefill: list, fb: ForwardBatch, logits: torch.Tensor) -> torch.Tensor:
+        """Store prompt logprobs from the extra logits rows; let n > 1 siblings copy a finished prompt's
+        KV. Returns the sampling rows of `logits`."""
+        num_sampled = len(fb.logits_owner)
+        store_prompt_logprobs([c.req for c in prefill], fb.prompt_logprob_rows, logits[num_sampled:])
+        for chunk in prefill:
+            if not chunk.last_chunk:
+                continue
+            src = chunk.req
+            for sib in [r for r in self.scheduler.waiting if r.share_prefix_from is src]:
+                slots = self.scheduler.fork_prefix(src, sib)
+                if slots is None:
+                    continue
+                sib.prompt_logprobs, sib.prompt_ranks = list(src.prompt_logprobs), list(src.prompt_ranks)
+                sib.prompt_top_logprobs = list(src.prompt_top_logprobs)
+                if self.tracer.on:
+                    self.tracer.emit(tracing.kv_event(self, sib.req_id, "alloc", slots.tolist(),
+                                                      f"copy of {src.req_id}'s prompt KV", 0))
+        return logits[:num_sampled]
+
+    def _finish_scored(self, prefill: list) -> list[StepOutput]:
+        """Requests with max_new_tokens=0 (prompt scoring) finish when their prefill completes."""
+        results = []
+        for chunk in prefill:
+            req = chunk.req
+            if chunk.last_chunk and req.params.max_new_tokens == 0 and not req.finished:
+                out, tail = self._finish(req, "length", {"type": "length", "length": 0, "cause": "max_new_tokens"},
+                                         None)
+                results.append(StepOutput(req.req_id, [], tail, True, out))
+        return results
 
     def _process_outputs(self, reqs: list[Req], new_tokens: dict[str, list[int]]) -> list[StepOutput]:
-        """Detokenize, decide finish, release finished requests: the tail of the pipeline."""
+        """Detokenize, decide finish, release finished requests: the tail of the pipeline.
+
+        The new tokens are already appended to each request's output; they go through the checks one
+        at a time, and a finish on one of them drops the ones after it (speculative runs).
+        """
         results = []
         for req in reqs:
-            detok = self.outputs.detokenize(req, new_tokens[req.req_id])
-            decision = self.outputs.decide_finish(req, detok)
-            if self.tracer.on:
-                tracing.emit_output_events(self, req, new_tokens[req.req_id], detok, decision)
-            out, tail = None, ""
-            if decision.finish_reason is not None:
-                out, tail = self._finish(req, decision.finish_reason, decision.evidence, decision.matched_stop)
-            results.append(StepOutput(req.req_id, new_tokens[req.req_id], detok.delta + tail, out is not None, out))
+            new = new_tokens[req.req_id]
+            first = len(req.output_ids) - len(new) + 1
+            delta, kept, out, tail = [], [], None, ""
+            for n in range(first, len(req.output_ids) + 1):
+                detok, decision = self.outputs.process_token(req, n)
+                kept.append(req.output_ids[n - 1])
+                delta.append(detok.delta)
+                if self.tracer.on:
+                    tracing.emit_output_events(self, req, [req.output_ids[n - 1]], detok, decision)
+                if decision.finish_reason is not None:
+                    self.outputs.truncate(req, n)
+                    out, tail = self._finish(req, decision.finish_reason, decision.evidence, decision.matched_stop)
+                    break
+            results.append(StepOutput(req.req_id, kept, "".join(delta) + tail, out is not None, out))
         return results
 
     def _finish(self, req: Req, reason: str, evidence: dict | None, matched_stop: Any) -> tuple[RequestOutput, str]:
@@ -191,6 +251,8 @@ class Engine:
         req.status = ReqStatus.FINISHED
         self._emit_free(req, reason)
         self.scheduler.remove(req)
+        if self.spec is not None:
+            self.spec.release(req)
         out, tail = self.outputs.make_output(req)
         self.finished[req.req_id] = out
         if self.tracer.on:

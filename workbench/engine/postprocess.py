@@ -13,8 +13,10 @@ from typing import Any
 
 from workbench.engine.detokenizer import DetokUpdate, IncrementalDetokenizer
 from workbench.engine.finish import FinishInputs, FinishResult, decide_finish
+from workbench.engine.grammar import accept_tokens
 from workbench.engine.output import RequestOutput, TokenLogprob
 from workbench.engine.request import Req
+from workbench.engine.tool_parser import StreamingToolParser
 
 
 class OutputProcessor:
@@ -37,7 +39,9 @@ class OutputProcessor:
         req.detok = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=p.skip_special_tokens,
             spaces_between_special_tokens=p.spaces_between_special_tokens, stop=p.stop,
-            include_stop_str_in_output=p.include_stop_str_in_output, prompt_ids=req.prompt_ids)
+            include_stop_str_in_output=p.include_stop_str_in_output, prompt_ids=req.prompt_ids,
+            min_new_tokens=p.min_new_tokens)
+        req.tool_parser = StreamingToolParser() if p.parse_tool_calls else None
 
     def append_tokens(self, reqs: list[Req], sample: Any, step: int) -> None:
         now = time.perf_counter()
@@ -46,24 +50,71 @@ class OutputProcessor:
             req.output_logprobs.append(sample.logprobs[i])
             req.output_ranks.append(sample.ranks[i])
             req.output_top_logprobs.append(sample.top_logprobs[i][: req.params.top_logprobs])
+            if req.params.token_ids_logprob:
+                req.output_token_ids_logprobs.append(sample.token_ids_logprobs[i])
+            accept_tokens(req.grammar, [sample.next_token_ids[i]])
             if req.first_token_time is None:
                 req.first_token_time = now
             req.token_times.append(now)
 
-    def detokenize(self, req: Req, new_ids: list[int]) -> DetokUpdate:
-        return req.detok.push(new_ids)
-
-    def decide_finish(self, req: Req, detok: DetokUpdate) -> FinishResult:
+    def _inputs(self, req: Req, n: int, stop_string: str | None = None) -> FinishInputs:
+        """Finish inputs as of output token `n` (1-based) of `req`."""
         p = req.params
-        result = decide_finish(FinishInputs(
-            aborted=req.abort_reason, num_output_tokens=len(req.output_ids), max_new_tokens=p.max_new_tokens,
-            min_new_tokens=p.min_new_tokens, seq_len=req.seq_len, context_limit=self.context_limit,
-            last_token_id=req.output_ids[-1] if req.output_ids else None, eos_token_ids=self.eos_token_ids,
-            ignore_eos=p.ignore_eos, stop_token_ids=tuple(p.stop_token_ids),
-            stop_string_matched=detok.stop_matched, has_complete_tool_call=False))
-        if result.finish_reason == "stop" and detok.stop_matched is not None:
-            del req.output_ids[detok.stop_token_index:]
-        return result
+        return FinishInputs(
+            aborted=req.abort_reason, num_output_tokens=n, max_new_tokens=p.max_new_tokens,
+            min_new_tokens=p.min_new_tokens, seq_len=len(req.prompt_ids) + n, context_limit=self.context_limit,
+            last_token_id=req.output_ids[n - 1], eos_token_ids=self.eos_token_ids, ignore_eos=p.ignore_eos,
+            stop_token_ids=tuple(p.stop_token_ids) + self._grammar_stop(req), stop_string_matched=stop_string,
+            has_complete_tool_call=req.tool_parser is not None and req.tool_parser.has_complete_call)
+
+    def process_token(self, req: Req, n: int) -> tuple[DetokUpdate, FinishResult]:
+        """Output token `n` (1-based) of `req` through detokenizer, tool parser and finish checks.
+
+        Order (vLLM semantics): a token that stops the request by id is not shown as text unless
+        `include_stop_str_in_output`; a completed stop string cuts the ids after it.
+        """
+        token = req.output_ids[n - 1]
+        pre = decide_finish(self._inputs(req, n))
+        if pre.stopped_by_token and not req.params.include_stop_str_in_output:
+            upd = req.detok.push([])
+        else:
+            upd = req.detok.push([token])
+        if req.tool_parser is not None and upd.delta:
+            req.tool_parser.feed(upd.delta)
+        result = decide_finish(self._inputs(req, n, upd.stop_matched))
+        return upd, result
+
+    def truncate(self, req: Req, n: int) -> None:
+        """Drop output tokens after the `n`-th (a finish inside a multi-token step, e.g. speculation)."""
+        for seq in (req.output_ids, req.output_logprobs, req.output_ranks, req.output_top_logprobs,
+                    req.output_token_ids_logprobs, req.token_times):
+            del seq[n:]
+
+    @staticmethod
+    def _tool_calls(req: Req, tail: str) -> list[dict[str, Any]] | None:
+        parser = req.tool_parser
+        if parser is None:
+            return None
+        if tail:
+            parser.feed(tail)
+        parser.finish()
+        return [c.to_openai() for c in parser.tool_calls] or None
+
+    @staticmethod
+    def _grammar_stop(req: Req) -> tuple[int, ...]:
+        """A completed grammar ends the request at its stop token even with ignore_eos."""
+        return (req.output_ids[-1],) if req.grammar is not None and req.grammar.terminated else ()
+
+    def prompt_logprobs(self, req: Req) -> list[dict[str, Any] | None] | None:
+        """Per prompt token: None for the first, then its logprob, rank and top alternatives."""
+        if not req.params.prompt_logprobs:
+            return None
+        out: list[dict[str, Any] | None] = [None]
+        for t, lp, rk, top in zip(req.prompt_ids[1:], req.prompt_logprobs[1:], req.prompt_ranks[1:],
+                                  req.prompt_top_logprobs[1:]):
+            out.append({"token_id": t, "token": self.token_text(t), "logprob": lp, "rank": rk,
+                        "top_logprobs": [(i, self.token_text(i), v) for i, v in top]})
+        return out
 
     def make_output(self, req: Req) -> tuple[RequestOutput, str]:
         """The final output, and the text the detokenizer still held back (the stream's last delta)."""
@@ -81,9 +132,10 @@ class OutputProcessor:
         return RequestOutput(
             req_id=req.req_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids, text=req.detok.text,
             token_ids=list(req.output_ids), finish_reason=req.finish_reason, matched_stop=req.matched_stop,
-            evidence=req.evidence, logprobs=logprobs, usage={
+            evidence=req.evidence, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs(req), usage={
                 "prompt_tokens": len(req.prompt_ids), "completion_tokens": n,
                 "cached_prompt_tokens": req.cached_prompt_tokens},
             timings={"ttft": ttft, "itl": [b - a for a, b in zip(times, times[1:])],
                      "e2e": time.perf_counter() - req.arrival_time, "preemptions": req.num_preemptions},
-            error=req.error), tail
+            spec=req.spec_stats.to_dict() if req.spec_stats is not None else None,
+            tool_calls=self._tool_calls(req, tail), error=req.error), tail

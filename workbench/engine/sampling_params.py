@@ -1,15 +1,37 @@
 """Per-request sampling parameters (what vLLM and SGLang users expect) and their validation.
 
-Owns: the `SamplingParams` record and the rules for valid values. Does not own: applying them
-(sampler.py) or deciding finish reasons (finish.py).
+Owns: the `SamplingParams` record, the rules for valid values (`validate(vocab_size)` raises a
+`ValueError` naming the parameter, the value and the allowed range), and the command-line form of
+the parameters (`add_sampling_args(parser)`, `params_from_args(namespace)`) that `workbench
+generate` uses. Does not own: applying them (sampler.py, penalties.py, grammar.py) or deciding
+finish reasons (finish.py).
+
+Caps (documented limits, not model limits): at most `MAX_STOP_STRINGS` stop strings of at most
+`MAX_STOP_LEN` characters each; `n <= MAX_N`; `top_logprobs <= MAX_TOP_LOGPROBS`; at most
+`MAX_TOKEN_IDS_LOGPROB` ids in `token_ids_logprob`; logit bias values are clamped to
+`[-100, 100]` (OpenAI's range). Booleans are never accepted where a number is expected, and NaN or
+infinity never passes.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+MAX_TOKEN_IDS_LOGPROB = 128
+MAX_LOGIT_BIAS = 100.0
+INT64 = (-(2**63), 2**63 - 1)
+LOGPROBS_MODES = ("raw", "processed")
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                "spaces_between_special_tokens", "logprobs", "prompt_logprobs")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,11 +64,33 @@ class SamplingParams:
     json_schema: Any = None
     regex: str | None = None
     ebnf: str | None = None
+    parse_tool_calls: bool = False  # parse <tool_call>{json}</tool_call> blocks; finish "tool_calls"
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Normalise the forms callers naturally write: `stop="x"`, lists instead of tuples, bias
+        # values outside OpenAI's range. Everything else is checked (not coerced) by validate().
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        for name in ("stop", "stop_token_ids", "token_ids_logprob"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", {k: _clamp_bias(v) for k, v in self.logit_bias.items()})
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def grammar(self) -> tuple[str, Any] | None:
+        """`(kind, source)` of the structured-output constraint, or None."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            if getattr(self, kind) is not None:
+                return kind, getattr(self, kind)
+        return None
 
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
@@ -76,26 +120,168 @@ class SamplingParams:
         """Raise ValueError naming the parameter, its value and the allowed range."""
         _check_number("temperature", self.temperature, lo=0.0)
         _check_number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
-        _check_int("max_new_tokens", self.max_new_tokens, lo=0 if self.prompt_logprobs else 1)
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or an integer >= 1, got {self.top_k!r}")
+        if self.top_k not in (-1, 0):
+            _check_int("top_k", self.top_k, lo=1, what="-1 or 0 (disabled) or an integer >= 1")
+        _check_number("min_p", self.min_p, lo=0.0, hi=1.0)
+        _check_number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _check_number("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        min_max = 0 if self.prompt_logprobs is True else 1
+        _check_int("max_new_tokens", self.max_new_tokens, lo=min_max,
+                   what=None if min_max else "an integer >= 1 (0 only with prompt_logprobs=True)")
+        _check_int("min_new_tokens", self.min_new_tokens, lo=0, hi=self.max_new_tokens,
+                   what=f"an integer in [0, max_new_tokens={self.max_new_tokens}]")
+        _check_int("n", self.n, lo=1, hi=MAX_N)
         if self.seed is not None:
-            _check_int("seed", self.seed, lo=-(2**63), hi=2**63 - 1)
+            _check_int("seed", self.seed, lo=INT64[0], hi=INT64[1])
+        _check_int("top_logprobs", self.top_logprobs, lo=0, hi=MAX_TOP_LOGPROBS)
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool (true or false), got {getattr(self, name)!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"extra must be a dict, got {type(self.extra).__name__}")
+        self._validate_stop()
+        _check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
+        _check_token_ids("token_ids_logprob", self.token_ids_logprob, vocab_size, cap=MAX_TOKEN_IDS_LOGPROB)
+        self._validate_logit_bias(vocab_size)
+        self._validate_grammar()
+
+    def _validate_stop(self) -> None:
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+        for s in self.stop:
+            if not 1 <= len(s) <= MAX_STOP_LEN:
+                raise ValueError(f"stop: each stop string must have 1 to {MAX_STOP_LEN} characters, "
+                                 f"got one of {len(s)}: {s[:40]!r}")
+
+    def _validate_logit_bias(self, vocab_size: int) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+        _check_token_ids("logit_bias", tuple(self.logit_bias), vocab_size, cap=vocab_size)
+        for tid, bias in self.logit_bias.items():
+            _check_number(f"logit_bias[{tid}]", bias, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
+
+    def _validate_grammar(self) -> None:
+        given = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"json_schema, regex and ebnf are mutually exclusive; got {' and '.join(given)}")
+        if given:
+            from workbench.engine.grammar import check_grammar
+
+            check_grammar(given[0], getattr(self, given[0]))
+
+
+def _clamp_bias(value: Any) -> Any:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value)))
+    return value  # left for validate() to reject with a message
 
 
 def _check_number(name: str, value: Any, *, lo: float | None = None, hi: float | None = None,
                   lo_open: bool = False) -> None:
+    bracket = "(" if lo_open else "["
+    allowed = f"{bracket}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}" + (
+        "]" if hi is not None else ")")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if lo is not None and (value < lo or (lo_open and value == lo)):
-        bracket = "(" if lo_open else "["
-        raise ValueError(f"{name} must be in {bracket}{lo}, {hi if hi is not None else 'inf'}], got {value!r}")
-    if hi is not None and value > hi:
-        raise ValueError(f"{name} must be <= {hi}, got {value!r}")
+        raise ValueError(f"{name} must be a finite number in {allowed}, got {value!r}")
+    if (lo is not None and (value < lo or (lo_open and value == lo))) or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be in {allowed}, got {value!r}")
 
 
-def _check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> None:
+def _check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None,
+               what: str | None = None) -> None:
+    what = what or f"an integer in [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise ValueError(f"{name} must be {what}, got {value!r}")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {value!r}")
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def _check_token_ids(name: str, ids: Any, vocab_size: int, cap: int | None = None) -> None:
+    if not isinstance(ids, tuple):
+        raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
+    if cap is not None and len(ids) > cap:
+        raise ValueError(f"{name}: at most {cap} token ids are allowed, got {len(ids)}")
+    for tid in ids:
+        _check_int(name, tid, lo=0, hi=vocab_size - 1,
+                   what=f"token ids in [0, {vocab_size - 1}] (the model's vocabulary)")
+
+
+# --- command line (used by `workbench generate`) ---------------------------------------------
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add `--temperature`, `--top-p`, ... `--json-schema` to `parser` (an argument group)."""
+    g = parser.add_argument_group("sampling")
+    d = SamplingParams()
+    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="tokens to generate at most")
+    g.add_argument("--min-new-tokens", type=int, default=d.min_new_tokens, help="no stop before this many")
+    g.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=d.top_p, help="nucleus mass to keep, (0, 1]")
+    g.add_argument("--top-k", type=int, default=d.top_k, help="keep the k most likely tokens; -1 = off")
+    g.add_argument("--min-p", type=float, default=d.min_p, help="drop tokens below min_p * max prob")
+    g.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty)
+    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty)
+    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty)
+    g.add_argument("--seed", type=int, default=None, help="per-request random seed")
+    g.add_argument("-n", "--n", type=int, default=d.n, dest="n", help="samples per prompt")
+    g.add_argument("--stop", action="append", default=None, metavar="STR", help="stop string (repeatable)")
+    g.add_argument("--stop-token-id", action="append", type=int, default=None, dest="stop_token_ids",
+                   metavar="ID", help="stop token id (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logit-bias", action="append", default=None, metavar="ID=BIAS",
+                   help="add BIAS to token ID's logit (repeatable)")
+    g.add_argument("--logprobs", action="store_true", help="return the chosen tokens' logprobs")
+    g.add_argument("--top-logprobs", type=int, default=d.top_logprobs, help=f"0..{MAX_TOP_LOGPROBS}")
+    g.add_argument("--prompt-logprobs", action="store_true")
+    g.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=d.logprobs_mode)
+    g.add_argument("--json-schema", default=None, metavar="JSON_OR_@FILE",
+                   help="constrain output to a JSON schema (inline JSON, or @path to a file)")
+    g.add_argument("--regex", default=None, help="constrain output to a regular expression")
+    g.add_argument("--ebnf", default=None, metavar="GRAMMAR_OR_@FILE", help="constrain output to an EBNF grammar")
+    return parser
+
+
+def params_from_args(ns: argparse.Namespace) -> SamplingParams:
+    """Build SamplingParams from a namespace parsed with `add_sampling_args`; ValueError on bad input."""
+    bias = None
+    if ns.logit_bias:
+        bias = {}
+        for item in ns.logit_bias:
+            tid, sep, val = item.partition("=")
+            try:
+                bias[int(tid)] = float(val)
+            except ValueError:
+                raise ValueError(f"logit_bias: expected ID=BIAS (e.g. 42=-5), got {item!r}") from None
+            if not sep:
+                raise ValueError(f"logit_bias: expected ID=BIAS (e.g. 42=-5), got {item!r}")
+    schema = _read_at_file("json_schema", ns.json_schema)
+    if schema is not None:
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"json_schema is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    return SamplingParams(
+        max_new_tokens=ns.max_new_tokens, min_new_tokens=ns.min_new_tokens, temperature=ns.temperature,
+        top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p, repetition_penalty=ns.repetition_penalty,
+        frequency_penalty=ns.frequency_penalty, presence_penalty=ns.presence_penalty, seed=ns.seed, n=ns.n,
+        stop=tuple(ns.stop or ()), stop_token_ids=tuple(ns.stop_token_ids or ()), ignore_eos=ns.ignore_eos,
+        logit_bias=bias, logprobs=ns.logprobs, top_logprobs=ns.top_logprobs, prompt_logprobs=ns.prompt_logprobs,
+        logprobs_mode=ns.logprobs_mode, json_schema=schema, regex=ns.regex,
+        ebnf=_read_at_file("ebnf", ns.ebnf))
+
+
+def _read_at_file(name: str, value: str | None) -> str | None:
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        with open(value[1:], encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"{name}: cannot read {value[1:]!r} ({exc.strerror})") from None

@@ -1,0 +1,224 @@
+"""The `workbench` command: generate, demo, tui, serve, replay, diff, export, bench, make-traces.
+
+Owns: argument parsing and wiring subcommands to library calls. Heavy imports (torch, the engine,
+textual, fastapi) happen inside each subcommand so `workbench --help` and the viewers start fast.
+User errors (bad values, unreadable traces) print one line and exit 2; no tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+DEMO_CHATS = [
+    [{"role": "user", "content": "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog."}],
+    [{"role": "user", "content": "List three fruits, one per line."}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+]
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="model spec: smollm2, tiny-random, a folder, a .gguf file")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--spec", default=None, help="speculative decoding: ngram[:k=4], draft:MODEL[:k=4], early-exit[:layers=N]")
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--trace", default=None, help="record a .wbtrace file")
+    p.add_argument("--trace-level", default="summary", choices=["off", "summary", "full"])
+
+
+def _make_engine(args: argparse.Namespace, trace: str | None = None):
+    from workbench.engine.engine import Engine
+
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    return Engine(args.model, device=args.device, spec=args.spec, chunk_size=args.chunk_size,
+                  max_batch_tokens=args.max_batch_tokens, trace=trace if trace is not None else args.trace,
+                  trace_level=args.trace_level if (trace or args.trace) else "off")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from workbench.engine.sampling_params import params_from_args
+
+    params = params_from_args(args)
+    engine = _make_engine(args)
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    final = None
+    for out in engine.stream(prompt, params):
+        sys.stdout.write(out.delta)
+        sys.stdout.flush()
+        final = out.output
+    engine.close()
+    if final is not None:
+        print(f"\n[{final.finish_reason}] {final.usage['completion_tokens']} tokens", file=sys.stderr)
+    return 0
+
+
+def record_demo(path: str, model: str = "smollm2", spec: str | None = "ngram:k=4") -> str:
+    """Record the demo trace: concurrent chats, a stop string and speculative decoding."""
+    from workbench.engine.engine import Engine
+    from workbench.engine.sampling_params import SamplingParams
+
+    Path(path).unlink(missing_ok=True)
+    with Engine(model, trace=path, trace_level="summary", spec=spec) as engine:
+        params = [SamplingParams(temperature=0, max_new_tokens=48),
+                  SamplingParams(temperature=0, max_new_tokens=48, stop=["\n3"]),
+                  SamplingParams(temperature=0.8, seed=7, max_new_tokens=40),
+                  SamplingParams(temperature=0, max_new_tokens=40, top_logprobs=5, logprobs=True)]
+        outs = engine.generate(DEMO_CHATS, params, progress=True)
+    for o in outs:
+        print(f"[{o.req_id}] {o.finish_reason:>6}  {o.text[:70]!r}")
+    return path
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    path = record_demo(args.out, args.model, args.spec)
+    print(f"trace written to {path}")
+    if args.no_tui or not sys.stdout.isatty():
+        print(f"open it with: workbench tui {path}")
+        return 0
+    import tui
+
+    return tui.run(path) or 0
+
+
+def cmd_tui(args: argparse.Namespace) -> int:
+    import tui
+
+    if args.live:
+        return tui.run(None, live=args.live) or 0
+    if not args.file:
+        raise ValueError("tui: give a trace FILE or --live URL")
+    return tui.run(args.file) or 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from workbench.replay import main as replay_main
+
+    return replay_main(args)
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from workbench.trace.diff import diff_traces, format_report
+    from workbench.trace.reader import open_trace
+
+    with open_trace(args.a) as a, open_trace(args.b) as b:
+        report = diff_traces(a, b, tolerance=args.tolerance)
+    print(format_report(report))
+    return 0 if report.identical else 1
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from workbench.trace.export import export_perfetto, export_tokens
+    from workbench.trace.reader import open_trace
+
+    if not args.perfetto and not args.tokens:
+        raise ValueError("export: give --perfetto OUT.json and/or --tokens OUT.parquet|csv")
+    with open_trace(args.trace) as trace:
+        if args.perfetto:
+            export_perfetto(trace, args.perfetto)
+            print(f"perfetto trace: {args.perfetto}")
+        if args.tokens:
+            export_tokens(trace, args.tokens)
+            print(f"token table: {args.tokens}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from workbench.server.app import run_serve
+
+    return run_serve(args) or 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import runpy
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / f"{args.name}.py"
+    if not script.exists():
+        raise ValueError(f"bench: no benchmark named {args.name!r} in benchmarks/")
+    sys.argv = [str(script), *args.rest]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def cmd_make_traces(args: argparse.Namespace) -> int:
+    from workbench.examples import make_example_traces
+
+    for path in make_example_traces(Path(args.folder), model=args.model):
+        print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from workbench.engine.sampling_params import add_sampling_args
+
+    parser = argparse.ArgumentParser(prog="workbench", description="See inside an LLM inference engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("generate", help="stream a completion to the terminal")
+    p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
+    _engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("demo", help="record a demo trace on the default model, then open the TUI")
+    p.add_argument("--out", default="demo.wbtrace")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--spec", default="ngram:k=4")
+    p.add_argument("--no-tui", action="store_true")
+    p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("tui", help="step through a trace, or follow a live server")
+    p.add_argument("file", nargs="?")
+    p.add_argument("--live", metavar="URL")
+    p.set_defaults(func=cmd_tui)
+    p = sub.add_parser("serve", help="OpenAI-compatible server with a live trace stream")
+    try:
+        from workbench.server.cli_args import add_serve_args
+    except ImportError:  # the server package is optional at parse time
+        add_serve_args = None
+    if add_serve_args is not None:
+        add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("replay", help="re-execute a trace and report the first divergence")
+    p.add_argument("trace")
+    p.add_argument("--tolerance", type=float, default=1e-3)
+    p.add_argument("--override", action="append", default=[], metavar="REQ:FIELD=VALUE",
+                   help="change a recorded request's sampling parameter, or engine.FIELD=VALUE")
+    p.add_argument("--device", default=None)
+    p.set_defaults(func=cmd_replay)
+    p = sub.add_parser("diff", help="line two traces up and report the first divergence")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--tolerance", type=float, default=1e-3)
+    p.set_defaults(func=cmd_diff)
+    p = sub.add_parser("export", help="export a trace to Perfetto JSON or a per-token table")
+    p.add_argument("trace")
+    p.add_argument("--perfetto", metavar="OUT.json")
+    p.add_argument("--tokens", metavar="OUT.parquet|csv")
+    p.set_defaults(func=cmd_export)
+    p = sub.add_parser("bench", help="run a benchmark from benchmarks/ (throughput, spec_decode, ...)")
+    p.add_argument("name")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("make-traces", help="regenerate the example traces in traces/")
+    p.add_argument("folder", nargs="?", default="traces")
+    p.add_argument("--model", default="smollm2")
+    p.set_defaults(func=cmd_make_traces)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"workbench {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
