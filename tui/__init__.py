@@ -1,0 +1,69 @@
+"""The workbench TUI: step through a `.wbtrace` trace, or follow a running server's live events.
+
+Public API: `run(path)` opens the TUI on a trace file and returns when the user quits (what
+`workbench demo` calls); `main(argv)` is the command line (`workbench tui FILE | --live URL`,
+`python -m tui ...`) and returns an exit status. Importing this package imports nothing heavy:
+Textual loads when the app starts. The TUI reads traces through `workbench.trace` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main", "run"]
+
+
+def run(path: str | None = None, *, live: str | None = None, step: int | None = None, request: str | None = None,
+        tokenizer: str | None = None, show_times: bool = True) -> int:
+    """Open the TUI on a trace file, or follow a server with `live=URL`; blocks until the user quits.
+
+    Returns 0. Raises ValueError (TraceError for an unreadable trace, or a bad URL) before the
+    screen is taken over, so callers can print the message.
+    """
+    from tui.app import WorkbenchApp
+    from tui.live import events_url
+    from workbench.trace.reader import open_trace
+
+    if (path is None) == (live is None):
+        raise ValueError("tui: give a trace FILE or --live URL (exactly one)")
+    if tokenizer is not None and not os.path.exists(tokenizer):
+        raise ValueError(f"--tokenizer: no such file or folder: {tokenizer!r}")
+    source = open_trace(path) if path is not None else None
+    url = events_url(live) if live is not None else None
+    try:
+        WorkbenchApp(source=source, live_url=url, step=step, request=request, tokenizer=tokenizer,
+                     show_times=show_times).run()
+    finally:
+        if source is not None:
+            source.close()
+    return 0
+
+
+def build_parser(prog: str = "workbench tui") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Step through a workbench trace, or follow a running server's live events.",
+        epilog="Press ? in the TUI for every key binding.")
+    parser.add_argument("file", nargs="?", help="a .wbtrace file (it may still be being written)")
+    parser.add_argument("--live", metavar="URL", help="follow a server's /debug/events stream, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--tokenizer", metavar="PATH", help="a tokenizer folder or tokenizer.json to show prompt ids as text")
+    parser.add_argument("--step", type=int, metavar="N", help="open at step N")
+    parser.add_argument("--request", metavar="ID", help="select this request")
+    parser.add_argument("--no-times", action="store_true", help="hide timings (for reproducible screenshots)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "workbench tui") -> int:
+    """The `workbench tui` command; returns 0 after a normal quit, 2 for bad arguments or an unreadable trace."""
+    parser = build_parser(prog)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if (args.file is None) == (args.live is None):
+        parser.error("give a trace FILE or --live URL (exactly one)")
+    try:
+        return run(args.file, live=args.live, step=args.step, request=args.request, tokenizer=args.tokenizer,
+                   show_times=not args.no_times)
+    except ValueError as exc:  # TraceError is a ValueError
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2

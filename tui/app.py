@@ -1,0 +1,41 @@
+"""The Textual app: one main screen over a trace file or a live server.
+
+Owns `WorkbenchApp` (options in, the main screen out, styles from tui.tcss). Everything else lives
+in screens/ and widgets/. Does not import the engine.
+"""
+
+from __future__ import annotations
+
+from textual.app import App
+from textual.screen import Screen
+
+from tui.model import TraceSource
+from tui.screens.main import MainScreen
+from tui.screens.workers import Options
+
+
+class WorkbenchApp(App[None]):
+    """Step through a `.wbtrace` file, or follow a server (`live_url`)."""
+
+    CSS_PATH = "tui.tcss"
+    TITLE = "workbench"
+    ENABLE_COMMAND_PALETTE = False
+
+    def __init__(self, path: str | None = None, *, source: TraceSource | None = None, live_url: str | None = None,
+                 tokenizer: str | None = None, show_times: bool = True, step: int | None = None,
+                 request: str | None = None) -> None:
+        if sum(x is not None for x in (path, source, live_url)) != 1:
+            raise ValueError("WorkbenchApp needs exactly one of path, source or live_url")
+        super().__init__()
+        self.options = Options(path=path, source=source, live_url=live_url, tokenizer=tokenizer,
+                               show_times=show_times, start_step=step, start_request=request)
+
+    def get_default_screen(self) -> Screen:
+        return MainScreen(self.options)
+
+    @property
+    def main(self) -> MainScreen:
+        screen = self.screen_stack[0] if self.screen_stack else self.screen
+        if not isinstance(screen, MainScreen):
+            raise RuntimeError("the main screen is not mounted")
+        return screen

@@ -1,0 +1,121 @@
+"""Small text helpers shared by the panes: quoting token text, id ranges, bars, logprob colours.
+
+Owns: how a token's text, a list of ids, a probability and a time are written on screen. Does not
+own any widget or any access to the trace.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+
+from rich.text import Text
+
+# Probability bands for colouring tokens by logprob: (lowest p of the band, style, legend label).
+# Each band has a second, darker shade so that neighbouring tokens of one band stay apart.
+P_BANDS: tuple[tuple[float, str, str, str], ...] = (
+    (0.9, "black on #5fd787", "black on #48b870", "p≥.9"),
+    (0.5, "black on #afd75f", "black on #94bb48", "≥.5"),
+    (0.2, "black on #ffd75f", "black on #e0b840", "≥.2"),
+    (0.05, "black on #ffaf5f", "black on #e09040", "≥.05"),
+    (0.0, "white on #d75f5f", "white on #b84848", "<.05"),
+)
+UNKNOWN_P_STYLE = ("black on #bcbcbc", "black on #a0a0a0")
+BAR_CHARS = " ▏▎▍▌▋▊▉█"
+
+
+def quote(text: str | None, limit: int = 40) -> str:
+    """A token's text as a JSON string literal (spaces visible, newlines escaped), cut to `limit` chars."""
+    if text is None:
+        return "?"
+    out = json.dumps(text, ensure_ascii=False)
+    return out if len(out) <= limit else out[: limit - 2] + "…\""
+
+
+def visible(text: str) -> str:
+    """Text for inline display: control characters shown as escapes, a newline as ↵."""
+    out = []
+    for ch in text:
+        if ch == "\n":
+            out.append("↵")
+        elif ch == "\t":
+            out.append("⇥")
+        elif ord(ch) < 32 or ch == "\x7f":
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def id_ranges(values: Sequence[int], limit: int = 6) -> str:
+    """Compress ints into runs: [1, 2, 3, 7, 8] -> "1–3, 7–8" (at most `limit` runs, then "…")."""
+    if not values:
+        return "—"
+    runs: list[tuple[int, int]] = []
+    start = prev = int(values[0])
+    for v in values[1:]:
+        v = int(v)
+        if v == prev + 1:
+            prev = v
+            continue
+        runs.append((start, prev))
+        start = prev = v
+    runs.append((start, prev))
+    parts = [f"{a}" if a == b else f"{a}–{b}" for a, b in runs[:limit]]
+    return ", ".join(parts) + (", …" if len(runs) > limit else "")
+
+
+def ids_list(values: Sequence[int], limit: int = 8) -> str:
+    """[1, 2, 3] with at most `limit` items, then the count of the rest."""
+    shown = ", ".join(str(v) for v in values[:limit])
+    rest = len(values) - limit
+    return f"[{shown}{f', … +{rest}' if rest > 0 else ''}]"
+
+
+def bar(fraction: float, width: int) -> str:
+    """A horizontal bar `width` cells wide at full scale, with eighth-cell resolution."""
+    fraction = 0.0 if not math.isfinite(fraction) else min(max(fraction, 0.0), 1.0)
+    eighths = round(fraction * width * 8)
+    full, part = divmod(eighths, 8)
+    return ("█" * full + (BAR_CHARS[part] if part else "")).ljust(width)
+
+
+def p_style(logprob: float | None, alt: bool = False) -> str:
+    """The chip style of a token with this logprob (one band per probability range; `alt`: darker shade)."""
+    if logprob is None or not math.isfinite(logprob):
+        return UNKNOWN_P_STYLE[alt]
+    p = math.exp(logprob)
+    return next((dark if alt else light) for low, light, dark, _ in P_BANDS if p >= low)
+
+
+def legend() -> Text:
+    out = Text()
+    for _, style, _, label in P_BANDS:
+        out.append(f" {label} ", style)
+    return out
+
+
+def num(value: float | None, digits: int = 3) -> str:
+    """A float with `digits` decimals, or — for None / NaN."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    return f"{value:.{digits}f}"
+
+
+def ms(value: float | None, show: bool = True) -> str:
+    """Milliseconds from the trace; `show=False` hides them (deterministic snapshots of live runs)."""
+    if not show:
+        return "·"
+    if value is None:
+        return "—"
+    return f"{value:.1f}"
+
+
+def short_json(value: object, limit: int = 60) -> str:
+    """A compact one-line JSON rendering of check inputs and evidence, cut to `limit` chars."""
+    if isinstance(value, dict):
+        text = " ".join(f"{k}={json.dumps(v, ensure_ascii=False, default=str)}" for k, v in value.items())
+    else:
+        text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,0 +1,150 @@
+"""The TUI's window onto a trace: asks the source only for what is on screen, and caches it.
+
+Owns: `TraceSource` (the part of `workbench.trace.reader.Trace` the TUI uses; `tui.live.LiveTrace`
+implements it too), `TraceModel` (small LRU caches of step views and request outputs, the
+vocabulary, invalidation when a live trace grows) and `open_source`. Called from worker threads;
+never touches a widget. Does not own parsing files (the reader) or drawing (the widgets).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+from tui.stepview import RequestData, StepView
+from tui.vocab import Vocab, load_tokenizer, tokenizer_folder
+from workbench.trace.events import Event
+from workbench.trace.reader import RequestInfo, StepInfo, TraceError, open_trace
+
+_STEP_CACHE = 64
+_REQ_CACHE = 32
+
+
+class TraceSource(Protocol):
+    """What the TUI reads: a trace file (`Trace`) or a live stream (`LiveTrace`)."""
+
+    name: str
+    meta: dict[str, Any]
+
+    @property
+    def finished(self) -> bool: ...
+    def steps(self) -> list[StepInfo]: ...
+    def step(self, n: int) -> list[Event]: ...
+    def events(self, kind: str | Sequence[str] | None = None, req_id: str | None = None,
+               step_range: tuple[int, int] | None = None, limit: int | None = None) -> Iterator[Event]: ...
+    def requests(self) -> list[RequestInfo]: ...
+    def refresh(self) -> int: ...
+    def close(self) -> None: ...
+
+
+def open_source(path: str) -> TraceSource:
+    """Open a trace file for the TUI; TraceError (a ValueError) with a one-line message if unreadable."""
+    return open_trace(path)
+
+
+class TraceModel:
+    """Cached, thread-safe access to one source for the screens and their workers."""
+
+    def __init__(self, source: TraceSource, vocab: Vocab | None = None) -> None:
+        self.source = source
+        self.vocab = vocab or Vocab()
+        self._lock = threading.RLock()
+        self._views: OrderedDict[int, StepView] = OrderedDict()
+        self._reqs: OrderedDict[str, RequestData] = OrderedDict()
+        self._requests: list[RequestInfo] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.source.meta
+
+    def title(self) -> str:
+        """`file · model` for the header."""
+        model = self.meta.get("model")
+        label = model.get("name") or model.get("spec") if isinstance(model, dict) else None
+        return f"{self.name} · {label}" if label else self.name
+
+    def steps(self) -> list[StepInfo]:
+        with self._lock:
+            return list(self.source.steps())
+
+    def step_view(self, step: int, info: StepInfo | None = None) -> StepView:
+        """The view of one step (one indexed query the first time, then cached)."""
+        with self._lock:
+            view = self._views.get(step)
+            if view is not None:
+                self._views.move_to_end(step)
+                return view
+            events = self.source.step(step)
+            self.vocab.learn(events)
+            view = StepView.build(step, info, events)
+            _remember(self._views, step, view, _STEP_CACHE)
+            return view
+
+    def request(self, req_id: str) -> RequestData:
+        """One request's prompt, tokens and finish record (one query on the request index)."""
+        with self._lock:
+            data = self._reqs.get(req_id)
+            if data is not None:
+                self._reqs.move_to_end(req_id)
+                return data
+            events = list(self.source.events(kind=["request.added", "token", "request.finished"], req_id=req_id))
+            self.vocab.learn(events)
+            data = RequestData.build(req_id, events)
+            _remember(self._reqs, req_id, data, _REQ_CACHE)
+            return data
+
+    def requests(self) -> list[RequestInfo]:
+        """Every request (read once, on first use: a filter or a search needs them)."""
+        with self._lock:
+            if self._requests is None:
+                self._requests = self.source.requests()
+            return self._requests
+
+    def refresh(self) -> bool:
+        """Pick up what a live writer added; True when there is something new."""
+        with self._lock:
+            new = self.source.refresh()
+            if new:
+                self.invalidate_tail()
+            return new > 0
+
+    def invalidate_tail(self, steps: set[int] | None = None, req_ids: set[str] | None = None) -> None:
+        """Forget cached data that new events may have changed (all of it when not told what)."""
+        with self._lock:
+            self._requests = None
+            if steps is None:
+                self._views.clear()
+            else:
+                for s in steps:
+                    self._views.pop(s, None)
+            if req_ids is None:
+                self._reqs.clear()
+            else:
+                for r in req_ids:
+                    self._reqs.pop(r, None)
+
+    def load_vocab(self, tokenizer_path: str | None = None) -> bool:
+        """Load the trace's (or the given) tokenizer; True when ids can now be decoded."""
+        path = tokenizer_path or tokenizer_folder(self.meta)
+        tokenizer = load_tokenizer(path)
+        if tokenizer is not None:
+            self.vocab.tokenizer = tokenizer
+        return tokenizer is not None
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def _remember(cache: OrderedDict, key: Any, value: Any, size: int) -> None:
+    cache[key] = value
+    while len(cache) > size:
+        cache.popitem(last=False)
+
+
+__all__ = ["TraceModel", "TraceSource", "TraceError", "open_source"]

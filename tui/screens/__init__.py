@@ -1,0 +1,1 @@
+"""The TUI's screens: the main step-through screen and the help overlay."""

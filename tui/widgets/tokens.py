@@ -1,0 +1,111 @@
+"""The tokens pane: the selected request's output coloured by logprob, and the selected token's alternatives.
+
+Owns: drawing the prompt line, the output as chips coloured by probability band (tokens produced
+after the selected step dimmed, the selected token reversed, search matches underlined), the
+selected token's id, logprob, rank and source, and its top alternatives with bars. Does not own
+loading the request (the screen's workers do).
+"""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from tui.fmt import bar, legend, num, p_style, quote, visible
+from tui.stepview import RequestData
+from tui.widgets.base import Pane, PaneContext
+from workbench.trace.events import TokenChosen
+
+FUTURE_STYLE = "grey50"
+
+
+def prompt_text(data: RequestData, limit: int = 160) -> Text:
+    added = data.added
+    if added is None:
+        return Text("prompt: (not in this trace)", style="dim")
+    prompt = added.prompt
+    if isinstance(prompt, list):  # a chat: show the last message
+        last = prompt[-1] if prompt and isinstance(prompt[-1], dict) else {}
+        prompt = f"[{last.get('role', '?')}] {last.get('content', '')}"
+    shown = visible(str(prompt))
+    shown = shown if len(shown) <= limit else shown[: limit - 1] + "…"
+    return Text.assemble(("prompt ", "bold"), (shown, "italic"), (f"  ({len(added.prompt_ids)} tokens)", "dim"))
+
+
+def chips(data: RequestData, step: int | None, selected: int | None, hit_positions: tuple[int, ...]) -> Text:
+    """The output tokens as coloured chips; a newline token also breaks the line."""
+    out = Text()
+    for i, tok in enumerate(data.tokens):
+        future = step is not None and tok.step > step
+        style = FUTURE_STYLE if future else p_style(tok.logprob, alt=i % 2 == 1)
+        if tok.position == selected:
+            style += " reverse bold underline"
+        if tok.position in hit_positions:
+            style += " underline"
+        out.append(visible(tok.text) or "∅", style)
+        if "\n" in tok.text:
+            out.append("\n")
+    return out
+
+
+def token_detail(tok: TokenChosen) -> Text:
+    p = f"{math.exp(tok.logprob):.3f}" if tok.logprob is not None else "—"
+    return Text.assemble(("token ", "bold"), (f"{quote(tok.text)} #{tok.token_id}", "bold"),
+                         f"  position {tok.position}  logprob {num(tok.logprob)} (p {p})  rank {tok.rank or '—'}"
+                         f"  source {tok.source}  step {tok.step}")
+
+
+def alternatives(tok: TokenChosen) -> Table:
+    table = Table(box=None, pad_edge=False, padding=(0, 1), header_style="bold")
+    for name in ("", "alternative", "id", "logprob", "p"):
+        table.add_column(name, no_wrap=True)
+    for alt in tok.top_logprobs:
+        tid, lp = alt[0], alt[1]
+        text = alt[2] if len(alt) > 2 else "?"
+        p = math.exp(lp) if isinstance(lp, (int, float)) and math.isfinite(lp) else 0.0
+        mine = tid == tok.token_id
+        table.add_row("▸" if mine else " ", quote(text, 20), str(tid), num(lp), Text(bar(p, 10) + f" {p:.3f}",
+                      style="green" if mine else "blue"), style="bold" if mine else None)
+    return table
+
+
+def draw_tokens(ctx: PaneContext) -> RenderableType:
+    data = ctx.request
+    if data is None:
+        return Text("no request selected" if ctx.selection.req_id is None else "loading…", style="dim")
+    parts: list[RenderableType] = [prompt_text(data)]
+    hit = ctx.hit.positions if ctx.hit is not None and ctx.hit.req_id == data.req_id else ()
+    if not data.tokens:
+        parts.append(Text("no output tokens yet", style="dim"))
+        return Group(*parts)
+    parts.append(chips(data, ctx.selection.step, ctx.selection.position, hit))
+    i = data.index_of(ctx.selection.position)
+    if i is None:
+        parts.append(Text("no token of this request in this step; h/l selects one", style="dim"))
+    else:
+        parts.append(token_detail(data.tokens[i]))
+        if data.tokens[i].top_logprobs:
+            parts.append(alternatives(data.tokens[i]))
+    return Group(*parts)
+
+
+class TokensPane(Pane):
+    TITLE = "Tokens"
+
+    def draw(self, ctx: PaneContext) -> RenderableType:
+        return draw_tokens(ctx)
+
+    def subtitle(self, ctx: PaneContext) -> str:
+        data = ctx.request
+        if data is None:
+            return ""
+        done = sum(1 for t in data.tokens if ctx.selection.step is None or t.step <= ctx.selection.step)
+        state = f" · {data.finished.finish_reason}" if data.finished and data.finished.finish_reason else ""
+        return f"{data.req_id} · {done}/{len(data.tokens)} tokens{state}"
+
+    def show(self, ctx: PaneContext) -> None:
+        super().show(ctx)
+        self.border_title = Text.assemble(f"{self.TITLE} ", legend())  # type: ignore[assignment]
