@@ -1,0 +1,122 @@
+"""The app factory: `create_app(engine, ...)` wires an engine into a FastAPI app.
+
+Owns: building the app (routers, error handlers, static files), its state on
+`app.state.workbench` (no module globals), the lifespan (the engine thread starts with the app
+and stops with it), attaching the live-event and metrics sinks to the engine's tracer, and the
+optional API key (checked in constant time on every route but `/health`; a browser may pass it as
+`?api_key=` on GET requests, since EventSource cannot set headers). Does not own: serving logic,
+routes, or running uvicorn (serve.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from workbench.server import routes_debug, routes_openai
+from workbench.server.engine_loop import EngineLoop
+from workbench.server.errors import APIError, install_error_handlers
+from workbench.server.event_hub import EventHub
+from workbench.server.logprobs import TokenBytes
+from workbench.server.metrics import Metrics
+from workbench.server.serving import ServerState
+from workbench.trace.recorder import MemorySink
+
+log = logging.getLogger("workbench.server")
+OPEN_PATHS = frozenset({"/health"})
+
+
+def _digest(value: str | bytes) -> bytes:
+    return hashlib.sha256(value.encode("utf-8") if isinstance(value, str) else value).digest()
+
+
+class APIKeyMiddleware:
+    """401 unless the request carries the key (`Authorization: Bearer <key>`); `/health` stays open."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = _digest(api_key)  # comparing digests keeps the comparison constant-time in length too
+
+    def _presented(self, scope: Scope) -> bytes | None:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization" and value[:7].lower() == b"bearer ":
+                return value[7:].strip()
+        if scope.get("method") == "GET":
+            keys = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
+            if keys:
+                return keys[0].encode("utf-8")
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        key = self._presented(scope)
+        if key is not None and hmac.compare_digest(_digest(key), self._key):
+            await self.app(scope, receive, send)
+            return
+        message = "missing API key: send 'Authorization: Bearer <key>'" if key is None else "invalid API key"
+        await APIError(401, message, code="invalid_api_key").response()(scope, receive, send)
+
+
+def create_app(engine: Any, *, model_name: str | None = None, hub: EventHub | None = None,
+               trace_dir: str | Path | None = None, trace_writer: Any = None, api_key: str | None = None,
+               max_body_bytes: int = 4 << 20, default_max_tokens: int = 1024) -> FastAPI:
+    """An OpenAI-compatible app over `engine`; the engine thread runs while the app is served.
+
+    Build the engine with `trace_sinks=[hub, ...]` so a long-running server keeps no events in
+    memory; an engine with a `MemorySink` works but keeps every event (logged as a warning).
+    """
+    if hub is None:
+        hub = EventHub()
+    tracer = engine.tracer
+    if hub not in tracer.sinks:
+        tracer.add_sink(hub)
+    if any(isinstance(s, MemorySink) for s in tracer.sinks):
+        log.warning("the engine's tracer keeps every event in memory (MemorySink); pass trace_sinks= for a "
+                    "long-running server")
+    metrics = Metrics()
+    tracer.add_sink(metrics.spec)
+    state = ServerState(
+        engine=engine, loop=EngineLoop(engine, on_finished=metrics.observe_finished), hub=hub, metrics=metrics,
+        model_name=model_name or str(engine.loaded.spec), token_bytes=TokenBytes(engine.tokenizer),
+        trace_dir=Path(trace_dir) if trace_dir is not None else None, trace_writer=trace_writer,
+        api_key=api_key, max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens,
+        created=int(time.time()))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop.start()
+        try:
+            yield
+        finally:
+            await state.loop.stop()
+            tracer.remove_sink(metrics.spec)
+
+    app = FastAPI(title="LLM Engine Workbench", version="0.1.0", lifespan=lifespan)
+    app.state.workbench = state
+    install_error_handlers(app, on_error=metrics.count_error)
+    app.include_router(routes_openai.router)
+    app.include_router(routes_debug.router)
+    app.mount("/static", StaticFiles(directory=routes_debug.STATIC_DIR), name="static")
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
+def run_serve(args: Any) -> int:
+    """`workbench serve` (kept here for workbench.cli, which imports it from this module)."""
+    from workbench.server.cli_args import run_serve as _run
+
+    return _run(args)

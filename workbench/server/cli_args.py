@@ -1,0 +1,107 @@
+"""`workbench serve`: its command-line arguments and running the app under uvicorn.
+
+Owns: `add_serve_args(parser)` (importable without FastAPI, so `workbench --help` stays fast),
+`run_serve(args)` (builds the engine with the live-event hub and, with `--trace-dir`, a trace file
+per run as its only trace sinks, so nothing accumulates in memory; serves it with uvicorn; on
+SIGINT/SIGTERM refuses new requests with 503 while running ones finish), and `serve_main(argv)`.
+Does not own: the app (app.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import ipaddress
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("workbench.server")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", help="model spec (smollm2, tiny-random, folder, .gguf)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--trace-dir", default=None, help="write one .wbtrace per run here (downloadable)")
+    parser.add_argument("--trace-level", default="summary", choices=("off", "summary", "full"))
+    parser.add_argument("--api-key", default=os.environ.get("WORKBENCH_API_KEY"),
+                        help="require this key on every route but /health (default: $WORKBENCH_API_KEY)")
+    parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-running", type=int, default=64, help="requests decoding at once")
+    parser.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens")
+    parser.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    parser.add_argument("--default-max-tokens", type=int, default=1024, help="chat max_tokens when not given")
+    parser.add_argument("--graceful-timeout", type=float, default=10.0,
+                        help="seconds running requests get to finish on shutdown")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(engine, app) as `run_serve` builds them; tests and benchmarks reuse it."""
+    from workbench.engine.engine import Engine
+    from workbench.server.app import create_app
+    from workbench.server.event_hub import EventHub
+
+    hub = EventHub()
+    sinks: list[Any] = [hub]
+    writer, trace_dir = None, None
+    if args.trace_dir and args.trace_level != "off":
+        from workbench.trace.store import TraceWriter
+
+        trace_dir = Path(args.trace_dir)
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        writer = TraceWriter(trace_dir / f"serve-{stamp}-{os.getpid()}.wbtrace")
+        sinks.append(writer)
+    engine = Engine(args.model, device=args.device, trace_level=args.trace_level, trace_sinks=sinks,
+                    max_running=args.max_running, kv_tokens=args.kv_tokens)
+    app = create_app(engine, model_name=args.served_model_name or args.model, hub=hub, trace_dir=trace_dir,
+                     trace_writer=writer, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                     default_max_tokens=args.default_max_tokens)
+    return engine, app
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    if not _is_loopback(args.host) and not args.api_key:
+        log.warning("serving on %s without --api-key: anyone who can reach this port can use the engine",
+                    args.host)
+    engine, app = build_server(args)
+    state = app.state.workbench
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            state.loop.begin_drain()  # new requests get 503 while running ones finish
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.graceful_timeout)
+    try:
+        DrainingServer(config).run()
+    finally:
+        engine.close()
+    return 0
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="workbench serve", description="OpenAI-compatible server")
+    add_serve_args(parser)
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main())

@@ -1,0 +1,268 @@
+"""The engine beside the event loop: one thread steps the engine, asyncio handlers never block on it.
+
+Owns: the engine thread (the only caller of `Engine.step()`), submitting requests from handlers
+(`submit` -> `RequestHandle` with an asyncio queue per prompt), abort, handing each step's outputs
+to the handles with one `loop.call_soon_threadsafe` per step, per-step logprobs for streaming,
+a snapshot of engine gauges for /metrics, failures inside a step (the requests that were running
+get an error and are aborted; the engine keeps serving) and an orderly stop. Does not own:
+OpenAI shapes (serving.py) or the live trace fan-out (event_hub.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from workbench.engine.output import RequestOutput, StepOutput, TokenLogprob
+from workbench.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("workbench.server")
+
+
+class EngineUnavailable(RuntimeError):
+    """The loop is draining or stopped: new requests are refused (HTTP 503)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamItem:
+    """One request's part of one step as a handler receives it, or an error that ends the request."""
+
+    req_id: str
+    step: StepOutput | None
+    logprobs: list[TokenLogprob] | None = None  # of step.new_token_ids, when the request asked
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or (self.step is not None and self.step.finished)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Engine gauges as of the end of the last step (read by /metrics and /health)."""
+
+    step: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_used: int = 0
+    kv_total: int = 0
+    step_time: float = 0.0
+
+
+class RequestHandle:
+    """One submitted prompt: its request ids (n of them) and the queue their outputs arrive on."""
+
+    def __init__(self, req_ids: list[str]) -> None:
+        self.req_ids = req_ids
+        self.queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+        self.open = set(req_ids)
+        self.outputs: dict[str, RequestOutput] = {}
+        self.error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return not self.open
+
+    def index(self, req_id: str) -> int:
+        return self.req_ids.index(req_id)
+
+    async def items(self) -> AsyncIterator[StreamItem]:
+        """Yield items until every request of this prompt finished, or one failed."""
+        while self.open:
+            item = await self.queue.get()
+            if item.error is not None:
+                self.error = item.error
+                self.open.clear()
+            elif item.step is not None and item.step.finished:
+                self.open.discard(item.req_id)
+                if item.step.output is not None:
+                    self.outputs[item.req_id] = item.step.output
+            yield item
+
+    async def result(self) -> dict[str, RequestOutput]:
+        """Wait for every request; the outputs by request id (raises RuntimeError on an engine error)."""
+        async for _ in self.items():
+            pass
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        return self.outputs
+
+
+class EngineLoop:
+    """Runs `engine.step()` on its own thread while there is work, and routes outputs to handles."""
+
+    def __init__(self, engine: Any, *, on_finished: Callable[[RequestOutput], None] | None = None,
+                 idle_wait: float = 0.1) -> None:
+        self.engine = engine
+        self.on_finished = on_finished
+        self.idle_wait = idle_wait
+        self.stats = EngineStats(kv_total=engine.memory.allocator.size)
+        self.accepting = True
+        self.recent_aborts: deque[tuple[str, int]] = deque(maxlen=1024)  # (req_id, engine step when asked)
+        self.failures = 0
+        self._handles: dict[str, RequestHandle] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="workbench-admit")
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+
+    # --- event-loop side ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from inside the running event loop."""
+        if self._thread is not None:
+            raise RuntimeError("engine loop already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="workbench-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    async def submit(self, prompts: list[Any], params: SamplingParams, req_id: str) -> RequestHandle:
+        """Validate and queue prompts (n choices each) as one handle; ValueError before any work starts.
+
+        `add_request` (tokenizing, compiling a grammar) runs on a helper thread so the event loop
+        never waits for it. The handle is registered first: outputs can arrive before it returns.
+        """
+        if not self.accepting or not self.running:
+            raise EngineUnavailable("the server is shutting down")
+        bases = [req_id] if len(prompts) == 1 else [f"{req_id}-{j}" for j in range(len(prompts))]
+        ids = [b if params.n == 1 else f"{b}-{i}" for b in bases for i in range(params.n)]
+        handle = RequestHandle(ids)
+        for rid in ids:
+            self._handles[rid] = handle
+        fut = asyncio.get_running_loop().run_in_executor(self._submitter, self._add_all, prompts, params, bases)
+        try:
+            got = await asyncio.shield(fut)
+        except asyncio.CancelledError:  # the client left while we were admitting: abort what got in
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or self.abort(handle, "client gone"))
+            raise
+        except BaseException:
+            for rid in ids:
+                self._handles.pop(rid, None)
+            raise
+        if got != ids:
+            raise RuntimeError(f"engine named the requests {got}, expected {ids}")
+        self._wake.set()
+        return handle
+
+    def _add_all(self, prompts: list[Any], params: SamplingParams, bases: list[str]) -> list[str]:
+        """Helper thread: add every prompt, or none (earlier ones are aborted if a later one fails)."""
+        added: list[str] = []
+        try:
+            for prompt, base in zip(prompts, bases):
+                added += self.engine.add_request(prompt, params, req_id=base)
+        except BaseException:
+            for rid in added:
+                self.engine.abort(rid, "a sibling prompt was rejected")
+            raise
+        return added
+
+    def abort(self, handle: RequestHandle, reason: str = "client disconnected") -> None:
+        """Abort every unfinished request of `handle`; the engine frees their KV at its next step."""
+        for rid in list(handle.open):
+            self.recent_aborts.append((rid, self.engine.step_no))
+            self.engine.abort(rid, reason)
+        self._wake.set()
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (503); requests already running continue."""
+        self.accepting = False
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Stop the engine thread; requests still open end with an error item."""
+        self.accepting = False
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        self._submitter.shutdown(wait=False)
+        for rid, handle in list(self._handles.items()):
+            handle.queue.put_nowait(StreamItem(rid, None, error="the server is shutting down"))
+        self._handles.clear()
+
+    def _deliver(self, items: list[StreamItem]) -> None:
+        for item in items:
+            handle = self._handles.get(item.req_id)
+            if handle is None:
+                continue
+            handle.queue.put_nowait(item)
+            if item.finished:
+                del self._handles[item.req_id]
+
+    # --- engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            if not engine.has_work():
+                self._wake.wait(self.idle_wait)
+                self._wake.clear()
+                continue
+            t0 = time.perf_counter()
+            try:
+                outs = engine.step()
+            except Exception as exc:  # a failure inside a step: end the affected requests, keep serving
+                self._post(self._fail_running(exc))
+                continue
+            items = [self._item(o) for o in outs]
+            self.stats = self._snapshot(time.perf_counter() - t0)
+            if items:
+                self._post(items)
+
+    def _post(self, items: list[StreamItem]) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, items)
+        except RuntimeError:  # event loop closed under us: nobody is left to deliver to
+            self._stop.set()
+
+    def _item(self, out: StepOutput) -> StreamItem:
+        req = self.engine.reqs.get(out.req_id)
+        logprobs = _step_logprobs(self.engine, req, out.new_token_ids) if req is not None else None
+        if out.finished:
+            self.engine.forget(out.req_id)
+            if self.on_finished is not None and out.output is not None:
+                try:
+                    self.on_finished(out.output)
+                except Exception:
+                    log.exception("on_finished callback failed")
+        return StreamItem(out.req_id, out, logprobs)
+
+    def _fail_running(self, exc: Exception) -> list[StreamItem]:
+        self.failures += 1
+        log.error("engine step failed", exc_info=exc)
+        sched = self.engine.scheduler
+        affected = [r.req_id for r in sched.running] or [r.req_id for r in sched.waiting]
+        message = f"the engine failed while running this request ({type(exc).__name__})"
+        for rid in affected:
+            self.engine.abort(rid, "engine error")
+        return [StreamItem(rid, None, error=message) for rid in affected]
+
+    def _snapshot(self, step_time: float) -> EngineStats:
+        sched, alloc = self.engine.scheduler, self.engine.memory.allocator
+        return EngineStats(step=self.engine.step_no, running=len(sched.running), waiting=len(sched.waiting),
+                           kv_used=alloc.used(), kv_total=alloc.size, step_time=step_time)
+
+
+def _step_logprobs(engine: Any, req: Any, ids: list[int]) -> list[TokenLogprob] | None:
+    """Logprobs of the tokens `ids` this step appended to `req` (engine thread, right after step()).
+
+    The per-token lists are read from their ends: a stop-string cut shortens `output_ids`, not them.
+    """
+    params, n = req.params, len(ids)
+    if not (params.logprobs or params.top_logprobs) or n == 0 or len(req.output_logprobs) < n:
+        return None
+    lps, ranks, tops = req.output_logprobs[-n:], req.output_ranks[-n:], req.output_top_logprobs[-n:]
+    text = engine.outputs.token_text
+    return [TokenLogprob(t, text(t), lp, rk, [(i, text(i), v) for i, v in top[: params.top_logprobs]])
+            for t, lp, rk, top in zip(ids, lps, ranks, tops)]
