@@ -17,7 +17,7 @@ __all__ = ["main", "run"]
 
 
 def run(path: str | None = None, *, live: str | None = None, step: int | None = None, request: str | None = None,
-        tokenizer: str | None = None, show_times: bool = True) -> int:
+        tokenizer: str | None = None, api_key: str | None = None, show_times: bool = True) -> int:
     """Open the TUI on a trace file, or follow a server with `live=URL`; blocks until the user quits.
 
     Returns 0. Raises ValueError (TraceError for an unreadable trace, or a bad URL) before the
@@ -35,7 +35,7 @@ def run(path: str | None = None, *, live: str | None = None, step: int | None = 
     url = events_url(live) if live is not None else None
     try:
         WorkbenchApp(source=source, live_url=url, step=step, request=request, tokenizer=tokenizer,
-                     show_times=show_times).run()
+                     api_key=api_key, show_times=show_times).run()
     finally:
         if source is not None:
             source.close()
@@ -51,6 +51,8 @@ def build_parser(prog: str = "workbench tui") -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", metavar="PATH", help="a tokenizer folder or tokenizer.json to show prompt ids as text")
     parser.add_argument("--step", type=int, metavar="N", help="open at step N")
     parser.add_argument("--request", metavar="ID", help="select this request")
+    parser.add_argument("--api-key", metavar="KEY", default=os.environ.get("WORKBENCH_API_KEY"),
+                        help="the server's API key for --live (default: $WORKBENCH_API_KEY)")
     parser.add_argument("--no-times", action="store_true", help="hide timings (for reproducible screenshots)")
     return parser
 
@@ -63,7 +65,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "workbench tui") -> int:
         parser.error("give a trace FILE or --live URL (exactly one)")
     try:
         return run(args.file, live=args.live, step=args.step, request=args.request, tokenizer=args.tokenizer,
-                   show_times=not args.no_times)
+                   api_key=args.api_key, show_times=not args.no_times)
     except ValueError as exc:  # TraceError is a ValueError
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

@@ -22,12 +22,12 @@ class WorkbenchApp(App[None]):
     ENABLE_COMMAND_PALETTE = False
 
     def __init__(self, path: str | None = None, *, source: TraceSource | None = None, live_url: str | None = None,
-                 tokenizer: str | None = None, show_times: bool = True, step: int | None = None,
-                 request: str | None = None) -> None:
+                 tokenizer: str | None = None, api_key: str | None = None, show_times: bool = True,
+                 step: int | None = None, request: str | None = None) -> None:
         if sum(x is not None for x in (path, source, live_url)) != 1:
             raise ValueError("WorkbenchApp needs exactly one of path, source or live_url")
         super().__init__()
-        self.options = Options(path=path, source=source, live_url=live_url, tokenizer=tokenizer,
+        self.options = Options(path=path, source=source, live_url=live_url, tokenizer=tokenizer, api_key=api_key,
                                show_times=show_times, start_step=step, start_request=request)
 
     def get_default_screen(self) -> Screen:

@@ -10,6 +10,7 @@ messages. Does not own the server side (workbench/server) or drawing.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import threading
 import urllib.parse
@@ -48,6 +49,8 @@ class LiveTrace:
         self._lock = threading.Lock()
         self._events: dict[int, list[Event]] = {}
         self._summaries: dict[int, StepSummary] = {}
+        self._infos: dict[int, StepInfo] = {}
+        self._order: list[int] = []  # step numbers, sorted
         self._added: dict[str, RequestAdded] = {}
         self._finished: dict[str, RequestFinished] = {}
 
@@ -67,14 +70,20 @@ class LiveTrace:
                     self._added.setdefault(event.req_id, event)
                 elif isinstance(event, RequestFinished) and event.req_id is not None:
                     self._finished[event.req_id] = event
-            for old in sorted(self._events)[: max(0, len(self._events) - self.max_steps)]:
-                del self._events[old], self._summaries[old]
+            for step in steps:
+                if step not in self._infos:
+                    bisect.insort(self._order, step)
+                self._infos[step] = _step_info(self._summaries[step])
+            excess = len(self._order) - self.max_steps
+            if excess > 0:
+                for old in self._order[:excess]:
+                    del self._events[old], self._summaries[old], self._infos[old]
+                del self._order[:excess]
         return steps, reqs
 
     def steps(self) -> list[StepInfo]:
         with self._lock:
-            rows = [self._summaries[s] for s in sorted(self._summaries)]
-            return [_step_info(s) for s in rows]
+            return [self._infos[s] for s in self._order]
 
     def step(self, n: int) -> list[Event]:
         with self._lock:
@@ -84,7 +93,7 @@ class LiveTrace:
                step_range: tuple[int, int] | None = None, limit: int | None = None) -> Iterator[Event]:
         kinds = None if kind is None else ({kind} if isinstance(kind, str) else set(kind))
         with self._lock:
-            numbers = sorted(self._events)
+            numbers = list(self._order)
             if step_range is not None:
                 numbers = [s for s in numbers if step_range[0] <= s <= step_range[1]]
             matched = [e for s in numbers for e in self._events[s]
@@ -130,32 +139,60 @@ def parse_sse(lines: Iterable[str]) -> Iterator[dict[str, Any] | None]:
             yield obj
 
 
+def describe_server(info: dict[str, Any]) -> str:
+    """A `server.hello` / `server.stats` record as a status-line fragment."""
+    parts = [f"server step {info.get('step', '?')}", f"running {info.get('running', '?')}",
+             f"waiting {info.get('waiting', '?')}", f"KV {info.get('kv_used', '?')}/{info.get('kv_total', '?')}"]
+    if info.get("dropped"):
+        parts.append(f"{info['dropped']} events dropped (client too slow)")
+    return " · ".join(parts)
+
+
 async def follow_sse(url: str, on_events: Callable[[list[Event]], None], on_status: Callable[[str], None],
+                     on_info: Callable[[dict[str, Any]], None] | None = None, api_key: str | None = None,
                      retry_max: float = 5.0) -> None:
-    """Stream events from `url` forever (until cancelled), reconnecting with backoff on failure."""
+    """Stream events from `url` forever (until cancelled), reconnecting with backoff on failure.
+
+    Trace events go to `on_events` in batches; the server's own records (`server.hello`,
+    `server.stats`) go to `on_info`; connection changes go to `on_status` as text.
+    """
     import httpx
 
+    headers = {"Accept": "text/event-stream"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
     delay = 0.25
     while True:
         try:
             on_status("connecting")
             async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None)) as client:
-                async with client.stream("GET", url, headers={"Accept": "text/event-stream"}) as response:
+                async with client.stream("GET", url, headers=headers) as response:
                     if response.status_code != 200:
-                        raise ConnectionError(f"HTTP {response.status_code}")
+                        await response.aread()
+                        raise ConnectionError(f"HTTP {response.status_code}: {_error_message(response)}")
                     on_status("connected")
                     delay = 0.25
-                    await _pump(response.aiter_lines(), on_events)
+                    await _pump(response.aiter_lines(), on_events, on_info or (lambda info: None))
             on_status("stream ended")
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # refused, reset, bad status: tell the user and retry
-            on_status(f"disconnected ({type(exc).__name__}); retrying in {delay:.1f}s")
+            reason = str(exc) if isinstance(exc, ConnectionError) else type(exc).__name__
+            on_status(f"disconnected ({reason}); retrying in {delay:.1f}s")
         await asyncio.sleep(delay)
         delay = min(delay * 2, retry_max)
 
 
-async def _pump(lines: AsyncIterator[str], on_events: Callable[[list[Event]], None]) -> None:
+def _error_message(response: Any) -> str:
+    """The `error.message` of an OpenAI-shaped error body, else the reason phrase."""
+    try:
+        return str(response.json()["error"]["message"])[:200]
+    except Exception:  # not JSON, or not that shape
+        return str(response.reason_phrase)
+
+
+async def _pump(lines: AsyncIterator[str], on_events: Callable[[list[Event]], None],
+                on_info: Callable[[dict[str, Any]], None]) -> None:
     """Parse the stream; a flusher hands what arrived over every FLUSH_SECONDS (one loop: no races)."""
     batch: list[Event] = []
 
@@ -180,6 +217,9 @@ async def _pump(lines: AsyncIterator[str], on_events: Callable[[list[Event]], No
             for obj in parse_sse(block):
                 if obj is None:
                     return  # [DONE]
+                if str(obj.get("kind", "")).startswith("server."):
+                    on_info(obj)
+                    continue
                 try:
                     batch.append(event_from_json(obj))
                 except (TypeError, ValueError, KeyError):

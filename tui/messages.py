@@ -58,9 +58,11 @@ class FilterReady(Message):
 
 
 class LiveStatus(Message):
-    def __init__(self, text: str) -> None:
+    """Connection or follower news (`server=True`: the server's own gauges, shown beside it)."""
+
+    def __init__(self, text: str, server: bool = False) -> None:
         super().__init__()
-        self.text = text
+        self.text, self.server = text, server
 
 
 class VocabReady(Message):

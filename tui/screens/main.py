@@ -72,6 +72,7 @@ class MainScreen(ScreenWorkers):
         self.filter_label: str | None = None
         self.tail = options.live_url is not None
         self.note = "opening…"
+        self.server_note = ""
 
     # --- layout ----------------------------------------------------------------------------------
 
@@ -144,6 +145,8 @@ class MainScreen(ScreenWorkers):
             parts.append("following new steps")
         if self.note:
             parts.append(self.note)
+        if self.server_note:
+            parts.append(self.server_note)
         self.query_one("#status", Static).update(" │ ".join(parts))
 
     # --- worker results --------------------------------------------------------------------------
@@ -196,7 +199,10 @@ class MainScreen(ScreenWorkers):
             self.select(self.sel.step, self.sel.req_id, self.sel.position)
 
     def on_live_status(self, message: msg.LiveStatus) -> None:
-        self.note = message.text
+        if message.server:
+            self.server_note = message.text
+        else:
+            self.note = message.text
         self.refresh_status()
 
     def on_search_done(self, message: msg.SearchDone) -> None:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from textual import work
 from textual.screen import Screen
 from textual.worker import get_current_worker
 
-from tui.live import LiveTrace, follow_sse
+from tui.live import LiveTrace, describe_server, follow_sse
 from tui.messages import (
     FilterReady,
     LiveStatus,
@@ -42,6 +43,7 @@ class Options:
     source: TraceSource | None = None
     live_url: str | None = None
     tokenizer: str | None = None
+    api_key: str | None = None
     show_times: bool = True
     start_step: int | None = None
     start_request: str | None = None
@@ -117,14 +119,22 @@ class ScreenWorkers(Screen):
     async def follow_live(self, model: TraceModel, url: str) -> None:
         """Follow a server's SSE stream (an asyncio task: cancelled cleanly on exit)."""
         live = model.source
-        assert isinstance(live, LiveTrace)
+        if not isinstance(live, LiveTrace):
+            raise TypeError("follow_live needs a LiveTrace source")
 
         def on_events(events: list[Event]) -> None:
             steps, reqs = live.add(events)
             model.invalidate_tail(steps, reqs)
             self.post_message(StepsChanged(live.steps(), steps, reqs))
 
-        await follow_sse(url, on_events, lambda text: self.post_message(LiveStatus(text)))
+        def on_info(info: dict[str, Any]) -> None:
+            if info.get("kind") == "server.hello" and info.get("model"):
+                live.meta["model"] = {"name": str(info["model"])}
+                live.meta["engine"] = info.get("engine")
+            self.post_message(LiveStatus(describe_server(info), server=True))
+
+        await follow_sse(url, on_events, lambda text: self.post_message(LiveStatus(text)), on_info,
+                         self.options.api_key)
 
     @work(thread=True, exclusive=True, group="search")
     def search(self, model: TraceModel, text: str, start: int, last: int, forward: bool,
