@@ -130,7 +130,10 @@ def validation_message(err: dict[str, Any], model: type[BaseModel] | None = None
         return f"{param} must be one of {ctx.get('expected')}, got {_json_kind(value)}", param
     if kind == "value_error":
         msg = str(ctx.get("error", err.get("msg", "")))
-        return (msg if param is None or msg.startswith(param.split(".")[-1]) else f"{param}: {msg}"), param
+        if param is None and model is not None:  # a model-level rule: its message starts with the field
+            lead = msg.split(" ", 1)[0]
+            param = lead if lead in model.model_fields else None
+        return (msg if param is None or msg.startswith(param) else f"{param}: {msg}"), param
     return f"{param or 'request body'}: {err.get('msg', 'invalid value')}", param
 
 
