@@ -1,0 +1,121 @@
+"""Output tokens/s: this engine (tracing off) beside transformers `generate()` (static left-padded
+batch) and transformers `generate_batch()` (continuous batching), same model, prompts and machine,
+in one run. Also measures the engine's tracing overhead (summary, full) and trace bytes per token.
+
+    python benchmarks/throughput.py [--model smollm2] [--prompts 32] [--new 128] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+TOPICS = ["the ocean", "a city at night", "coffee", "mountains", "a robot learning to paint", "winter",
+          "the history of bread", "black holes", "a lighthouse keeper", "jazz", "honeybees", "trains",
+          "the moon", "volcanoes", "a library", "origami"]
+TASKS = ["Write a short poem about {}.", "Explain {} to a child in a few sentences."]
+
+
+def chat_prompts(n: int) -> list[list[dict[str, str]]]:
+    return [[{"role": "user", "content": TASKS[i % 2].format(TOPICS[i % len(TOPICS)])}] for i in range(n)]
+
+
+def bench_engine(loaded, prompts, new: int, trace_level: str = "off", trace_path: str | None = None) -> dict:
+    from workbench.engine.engine import Engine
+    from workbench.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
+    engine = Engine(loaded, trace=trace_path, trace_level=trace_level)
+    engine.generate(prompts[:2], params.replace(max_new_tokens=4))  # warm-up
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    secs = time.perf_counter() - t0
+    engine.close()
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"tokens": tokens, "seconds": secs, "tok_s": tokens / secs}
+
+
+def bench_hf_static(folder, tok, prompts, new: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok.padding_side = "left"
+    texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.inference_mode():
+        model.generate(**{k: v[:2] for k, v in enc.items()}, max_new_tokens=4, do_sample=False)
+        t0 = time.perf_counter()
+        out = model.generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=tok.eos_token_id)
+        secs = time.perf_counter() - t0
+    tokens = (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
+    return {"tokens": tokens, "seconds": secs, "tok_s": tokens / secs}
+
+
+def bench_hf_continuous(folder, tok, prompts, new: int) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="paged|sdpa").eval()
+    ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)["input_ids"] for p in prompts]
+    cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=tok.eos_token_id)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        outs = model.generate_batch(inputs=ids, generation_config=cfg, progress_bar=False)
+        secs = time.perf_counter() - t0
+    tokens = sum(len(o.generated_tokens) for o in outs.values())
+    return {"tokens": tokens, "seconds": secs, "tok_s": tokens / secs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from tqdm.auto import tqdm
+
+    from workbench.models import load_model
+
+    loaded = load_model(args.model, device=args.device)
+    prompts = chat_prompts(args.prompts)
+    results: dict[str, dict] = {}
+    runs = [("engine (trace off)", lambda: bench_engine(loaded, prompts, args.new))]
+    with tempfile.TemporaryDirectory() as tmp:
+        for level in ("summary", "full"):
+            path = os.path.join(tmp, f"{level}.wbtrace")
+            runs.append((f"engine (trace {level})", lambda level=level, path=path: {
+                **bench_engine(loaded, prompts, args.new, level, path), "trace_bytes": os.path.getsize(path)}))
+        if not args.skip_hf and args.device == "cpu":
+            runs.append(("transformers generate() static batch",
+                         lambda: bench_hf_static(loaded.folder, loaded.tokenizer, prompts, args.new)))
+            runs.append(("transformers generate_batch() continuous",
+                         lambda: bench_hf_continuous(loaded.folder, loaded.tokenizer, prompts, args.new)))
+        for name, fn in tqdm(runs, desc="benchmarks", unit="run"):
+            results[name] = fn()
+            tqdm.write(f"{name:45s} {results[name]['tok_s']:8.1f} tok/s ({results[name]['seconds']:.1f} s)")
+    base = results["engine (trace off)"]["tok_s"]
+    print(f"\n{args.prompts} chat prompts, greedy, {args.new} new tokens, {args.model}, {args.device}, "
+          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    print(f"{'run':45s} {'tok/s':>8s} {'engine / this':>14s}")
+    for name, r in results.items():
+        extra = f"  trace {r['trace_bytes'] / r['tokens']:.0f} B/token" if "trace_bytes" in r else ""
+        print(f"{name:45s} {r['tok_s']:8.1f} {base / r['tok_s']:13.2f}x{extra}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Engine core behaviour a user notices: abort, refusal, memory accounting, modes, streaming."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench.engine.engine import Engine
+from workbench.engine.memory import TokenToKVPoolAllocator
+from workbench.engine.sampling_params import SamplingParams
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "Roses are red,",
+           "The quick brown fox", "In 1969, the first"]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+
+
+def test_allocator_pairs_and_reserved_slot():
+    alloc = TokenToKVPoolAllocator(8, "cpu")
+    assert alloc.can_allocate(8) and not alloc.can_allocate(9)
+    got = alloc.allocate(8)
+    assert sorted(got.tolist()) == list(range(1, 9)), "slot 0 is padding and never handed out"
+    with pytest.raises(RuntimeError):
+        alloc.allocate(1)
+    alloc.free(got[:3])
+    with pytest.raises(RuntimeError, match="double free"):
+        alloc.free(got[:1])
+    alloc.free(got[3:])
+    assert alloc.available_size() == 8
+
+
+def test_abort_mid_run_leaves_others_unchanged(tiny):
+    baseline = Engine(tiny, trace_level="off").generate(PROMPTS, GREEDY)
+    engine = Engine(tiny, trace_level="off")
+    ids = [engine.add_request(p, GREEDY)[0] for p in PROMPTS]
+    for _ in range(6):
+        engine.step()
+    engine.abort(ids[2])
+    engine.abort(ids[2])  # idempotent
+    while engine.has_work():
+        engine.step()
+    outs = [engine.finished[i] for i in ids]
+    assert outs[2].finish_reason == "abort" and 0 < len(outs[2].token_ids) < GREEDY.max_new_tokens
+    for i, (a, b) in enumerate(zip(baseline, outs)):
+        if i != 2:
+            assert a.token_ids == b.token_ids
+    assert engine.memory.allocator.available_size() == engine.memory.allocator.size
+    assert engine.memory.req_to_token_pool.available_size() == engine.memory.req_to_token_pool.size
+
+
+def test_abort_waiting_request(tiny):
+    engine = Engine(tiny, trace_level="off", max_running=1)
+    a = engine.add_request("hello there", GREEDY)[0]
+    b = engine.add_request("general kenobi", GREEDY)[0]
+    engine.step()
+    engine.abort(b)
+    while engine.has_work():
+        engine.step()
+    assert engine.finished[b].finish_reason == "abort" and engine.finished[b].token_ids == []
+    assert engine.finished[a].finish_reason == "length"
+
+
+def test_request_that_can_never_fit_is_refused(tiny):
+    engine = Engine(tiny, trace_level="off", kv_tokens=64)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.add_request("hello " * 10, SamplingParams(max_new_tokens=100))
+    with pytest.raises(ValueError, match="context length"):
+        engine.add_request(list(range(5, 3000)), SamplingParams(max_new_tokens=1))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("", SamplingParams())
+    # the engine still serves a request that fits
+    assert engine.generate("hello", SamplingParams(temperature=0, max_new_tokens=4))[0].finish_reason
+
+
+def test_mixed_batches_and_chunked_prefill_are_traced(tiny):
+    engine = Engine(tiny, trace_level="summary", chunk_size=8, max_batch_tokens=16)
+    first = engine.add_request("a b c d e f", GREEDY)[0]
+    for _ in range(3):
+        engine.step()
+    engine.add_request("one two three four five six seven eight nine ten eleven twelve", GREEDY)
+    while engine.has_work():
+        engine.step()
+    sink = engine.memory_sink
+    modes = [e.mode for e in sink.of_kind("schedule")]
+    assert "MIXED" in modes and "EXTEND" in modes and "DECODE" in modes
+    chunks = [c for e in sink.of_kind("schedule") for c in e.prefill if c["req_id"] != first]
+    assert len(chunks) >= 2 and all(c["length"] <= 8 for c in chunks)
+    fbs = sink.of_kind("forward_batch")
+    assert all(len(e.input_ids) == len(e.positions) == len(e.out_cache_loc) for e in fbs)
+    assert all(0 not in e.out_cache_loc for e in fbs)
+    tokens = sink.of_kind("token")
+    assert len(tokens) == 2 * GREEDY.max_new_tokens and all(t.logprob <= 0 for t in tokens)
+
+
+def test_stream_deltas_concatenate_to_text(tiny):
+    engine = Engine(tiny, trace_level="off")
+    deltas, final = [], None
+    for out in engine.stream("The quick brown fox", SamplingParams(temperature=0, max_new_tokens=20)):
+        deltas.append(out.delta)
+        final = out.output
+    assert final is not None and "".join(deltas) == final.text
+
+
+def test_seeded_request_is_reproducible(tiny):
+    params = SamplingParams(temperature=1.0, seed=1234, max_new_tokens=16)
+    a = Engine(tiny, trace_level="off").generate("Tell me", params)[0]
+    b = Engine(tiny, trace_level="off").generate(["Tell me", "other prompt"], [params, params.replace(seed=9)])[0]
+    assert a.token_ids == b.token_ids
+
+
+def test_tracing_off_creates_no_sink(tiny):
+    engine = Engine(tiny, trace_level="off")
+    assert not engine.tracer.on and engine.memory_sink is None
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_greedy_runs(smollm2):
+    from workbench.models import load_model
+
+    loaded = load_model("smollm2", device="cuda")
+    assert loaded.dtype == "bfloat16"
+    engine = Engine(loaded, trace_level="off")
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert all(len(o.token_ids) == GREEDY.max_new_tokens for o in outs)
+    assert torch.cuda.is_available()
