@@ -80,7 +80,7 @@ def schedule_event(engine: Engine, batch: ScheduleBatch) -> ev.ScheduleDecision:
         kv_used=alloc.used(), kv_total=alloc.size)
 
 
-def forward_batch_event(engine: Engine, fb: ForwardBatch) -> ev.ForwardBatchBuilt:
+def forward_batch_event(engine: Engine, fb: ForwardBatch, model: str = "target") -> ev.ForwardBatchBuilt:
     info = fb.sampling_info
     return ev.ForwardBatchBuilt(
         step=engine.step_no, t=_now(), forward_mode=fb.forward_mode.value, batch_size=fb.batch_size,
@@ -88,7 +88,7 @@ def forward_batch_event(engine: Engine, fb: ForwardBatch) -> ev.ForwardBatchBuil
         seq_lens=fb.seq_lens.tolist(), out_cache_loc=fb.out_cache_loc.tolist(), positions=fb.positions.tolist(),
         extend_prefix_lens=fb.extend_prefix_lens.tolist(), extend_seq_lens=fb.extend_seq_lens.tolist(),
         return_logprob=fb.return_logprob, top_logprobs_nums=list(fb.top_logprobs_nums), req_ids=list(fb.req_ids),
-        sampling_info=info.summary() if info is not None else [])
+        sampling_info=info.summary() if info is not None else [], model=model)
 
 
 def forward_done_event(engine: Engine, fb: ForwardBatch, forward_s: float, sample_s: float,

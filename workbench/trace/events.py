@@ -138,6 +138,7 @@ class ForwardBatchBuilt(Event):
     top_logprobs_nums: list[int] = field(default_factory=list)
     req_ids: list[str] = field(default_factory=list)
     sampling_info: list[dict[str, Any]] = field(default_factory=list)  # per request, compact
+    model: str = "target"  # target | draft (a drafter's forward in speculative decoding)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -205,6 +206,7 @@ class SpecDraft(Event):
     tokens: list[int] = field(default_factory=list)
     q: list[float] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    position: int = 0  # output index the first draft token would take
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -223,6 +225,10 @@ class SpecVerify(Event):
     target_argmax: list[int] = field(default_factory=list)
     freed_slots: list[int] = field(default_factory=list)
     greedy: bool = True
+    position: int = 0  # output index of the first draft token
+    emitted: list[int] = field(default_factory=list)  # tokens appended (cut at a stop or max_new_tokens)
+    extra_draw: float | None = None  # the uniform that drew the recovered or bonus token
+    draft_freed_slots: list[int] = field(default_factory=list)  # draft model KV slots rolled back
 
 
 # --- output processing -----------------------------------------------------------------------
