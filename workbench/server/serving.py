@@ -130,8 +130,9 @@ def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int
     return out
 
 
-def grammar_fields(req: Any) -> dict[str, Any]:
-    """json_schema / regex / ebnf from `response_format` and the engine's own fields (one at most)."""
+def grammar_fields(req: Any, forced: dict[str, Any] | None = None) -> dict[str, Any]:
+    """json_schema / regex / ebnf from `response_format`, the engine's own fields and a constraint the
+    server adds (`forced`, e.g. a required tool call); at most one."""
     out: dict[str, Any] = {}
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -144,6 +145,10 @@ def grammar_fields(req: Any) -> dict[str, Any]:
         out["regex"] = req.regex
     if req.ebnf is not None:
         out["ebnf"] = req.ebnf
+    if forced and out:
+        raise bad_request(f"tool_choice {req.tool_choice!r} cannot be combined with {' or '.join(out)}",
+                          "tool_choice")
+    out.update(forced or {})
     if len(out) > 1:
         raise bad_request(f"response_format, regex and ebnf are mutually exclusive; got {' and '.join(out)}",
                           "response_format")
@@ -162,7 +167,7 @@ def _check_json_schema(schema: dict[str, Any]) -> None:
 
 
 def build_params(req: Any, *, max_tokens: int, logprobs: bool, top_logprobs: int, vocab_size: int,
-                 prompt_param: str) -> SamplingParams:
+                 prompt_param: str, grammar: dict[str, Any] | None = None) -> SamplingParams:
     """SamplingParams from the fields both endpoints share; ValueError -> 400."""
     try:
         params = SamplingParams(
@@ -177,7 +182,7 @@ def build_params(req: Any, *, max_tokens: int, logprobs: bool, top_logprobs: int
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
-            logprobs=logprobs, top_logprobs=top_logprobs, **grammar_fields(req))
+            logprobs=logprobs, top_logprobs=top_logprobs, **grammar_fields(req, grammar))
         params.validate(vocab_size)
     except ValueError as exc:
         raise api_error_from_value_error(exc, prompt_param) from None

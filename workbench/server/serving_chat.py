@@ -4,7 +4,8 @@ Owns: turning OpenAI messages and `tools` into the chat the engine renders (tool
 into the system prompt through `tool_parser.inject_tools`), the non-streaming response (tool calls
 parsed from the final text) and the stream (role chunk, content deltas with logprobs, tool calls
 as each completes, finish reason, optional usage chunk, an error event if the engine fails, then
-`[DONE]`). A request still running when its stream closes is aborted. Does not own: shared
+`[DONE]`). tool_choice "required" or a named function is enforced with a grammar
+(tool_grammar.py). A request still running when its stream closes is aborted. Does not own: shared
 request handling (serving.py) or framing (sse.py).
 """
 
@@ -47,14 +48,26 @@ from workbench.server.serving import (
     usage_of,
 )
 from workbench.server.sse import DONE, EventStreamResponse, sse_frame, until_disconnect
+from workbench.server.tool_grammar import tool_call_grammar
+
+
+def forced_tool_grammar(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """An `ebnf` constraint making the answer one tool call, for tool_choice "required" or a named one."""
+    choice = req.tool_choice
+    if choice in (None, "auto", "none"):
+        return None
+    name = choice["function"]["name"] if isinstance(choice, dict) else None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+    try:
+        return {"ebnf": tool_call_grammar(tools, name)}
+    except ValueError as exc:
+        raise bad_request(str(exc), "tool_choice" if "tool_choice" in str(exc) else "tools") from None
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The engine's chat: roles and text, with tool definitions, calls and results written in."""
-    if req.tool_choice not in (None, "auto", "none"):
-        raise bad_request("tool_choice: only 'auto' and 'none' are supported by this server", "tool_choice")
-    if req.tool_choice == "auto" and not req.tools:
-        raise bad_request("tool_choice 'auto' needs tools", "tool_choice")
+    if req.tool_choice not in (None, "none") and not req.tools:
+        raise bad_request("tool_choice needs tools", "tool_choice")
     messages = []
     for m in req.messages:
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.content}
@@ -75,7 +88,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     max_tokens = req.max_completion_tokens or req.max_tokens or state.default_max_tokens
     params = build_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                           top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
-                          vocab_size=state.engine.vocab_size, prompt_param="messages")
+                          vocab_size=state.engine.vocab_size, prompt_param="messages",
+                          grammar=forced_tool_grammar(req))
     req_id = new_id("chatcmpl")
     handle = await submit(state, [messages], params, req_id, "messages")
     use_tools = bool(req.tools) and req.tool_choice != "none"

@@ -1,0 +1,53 @@
+"""`tool_choice` "required" or a named function, enforced with a grammar instead of hoped for.
+
+Owns: building the EBNF grammar that makes the model's whole answer one tool call in SmolLM2's
+format, `<tool_call>\\n{"name": <one of the tools>, "arguments": <that tool's parameters>}\\n</tool_call>`
+(the JSON part comes from each tool's JSON schema through xgrammar, joined with the tags by
+`Grammar.concat`). The engine applies it as an `ebnf` constraint. Does not own: parsing the call
+back out (engine/tool_parser.py) or the tool descriptions in the prompt (tool_parser.inject_tools).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
+
+
+def call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
+    """The JSON schema of one call object: to the named function, or to any of `tools`."""
+    options = []
+    for tool in tools:
+        fn = tool["function"]
+        if name is not None and fn["name"] != name:
+            continue
+        params = fn.get("parameters") or {"type": "object"}
+        options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                        "required": ["name", "arguments"], "additionalProperties": False})
+    if not options:
+        raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def tool_call_grammar(tools: list[dict[str, Any]], name: str | None) -> str:
+    """EBNF for exactly one tool call; ValueError if the schema cannot be compiled."""
+    import xgrammar as xgr
+
+    schema = json.dumps(call_schema(tools, name))
+    try:
+        grammar = xgr.Grammar.concat(xgr.Grammar.from_regex(_escape(OPEN)),
+                                     xgr.Grammar.from_json_schema(schema, any_whitespace=False),
+                                     xgr.Grammar.from_regex(_escape(CLOSE)))
+    except Exception as exc:  # xgrammar raises from C++ with its own message
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"tools: a function's parameters are not a usable JSON schema ({first[:200]})") from None
+    return str(grammar)
+
+
+def _escape(text: str) -> str:
+    """A regex matching `text` literally (newlines written as \\n)."""
+    out = []
+    for ch in text:
+        out.append("\\n" if ch == "\n" else "\\" + ch if ch in r"\^$.|?*+()[]{}/" else ch)
+    return "".join(out)
