@@ -15,9 +15,22 @@ from workbench.notebook.figures import (
     tokens_figure,
 )
 from workbench.notebook.live import LiveView
+from workbench.notebook.tutorial import (
+    acceptance_by_position,
+    acceptance_figure,
+    compare_figure,
+    detok_table,
+    divergence_figure,
+    final_distribution,
+    rejections,
+    stage,
+    stage_table,
+)
 from workbench.notebook.viewer import PANELS, TraceViewer
 
 __all__ = [
-    "PANELS", "EventSource", "LiveView", "RequestView", "TraceSource", "TraceViewer", "as_source",
-    "batch_figure", "finish_figure", "show_token", "spec_figure", "stages_figure", "tokens_figure",
+    "PANELS", "EventSource", "LiveView", "RequestView", "TraceSource", "TraceViewer", "acceptance_by_position",
+    "acceptance_figure", "as_source", "batch_figure", "compare_figure", "detok_table", "divergence_figure",
+    "final_distribution", "finish_figure", "rejections", "show_token", "spec_figure", "stage", "stage_table",
+    "stages_figure", "tokens_figure",
 ]

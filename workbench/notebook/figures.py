@@ -16,7 +16,6 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
 from workbench.notebook.data import RequestView
 from workbench.trace.events import FinishDecision, RequestFinished, SamplingStages, SpecVerify
@@ -37,11 +36,19 @@ def token_label(token_id: int, vocab: dict[int, str]) -> str:
     return show_token(vocab[token_id]) if token_id in vocab else f"#{token_id}"
 
 
+# A small white template: plotly's named templates are deep-copied into every figure, which made
+# a viewer redraw cost ~5x more (it matters to LiveView, which redraws while the engine runs).
+_GRID = {"gridcolor": "#ebf0f8", "zerolinecolor": "#ebf0f8", "linecolor": "#ebf0f8", "automargin": True}
+TEMPLATE = {"layout": {
+    "paper_bgcolor": "white", "plot_bgcolor": "white", "font": {"color": "#2a3f5f"}, "xaxis": _GRID,
+    "yaxis": _GRID, "colorway": ["#636efa", "#EF553B", "#00cc96", "#ab63fa", "#FFA15A", "#19d3f3", "#FF6692",
+                                 "#B6E880", "#FF97FF", "#FECB52"],
+    "hoverlabel": {"align": "left"}}}
+
+
 def _figure(title: str, height: int = HEIGHT) -> go.Figure:
-    fig = go.Figure()
-    fig.update_layout(title={"text": title, "font": {"size": 14}}, height=height, template="plotly_white",
-                      margin={"l": 50, "r": 20, "t": 45, "b": 40}, showlegend=False)
-    return fig
+    return go.Figure(layout={"title": {"text": title, "font": {"size": 14}}, "height": height, "template": TEMPLATE,
+                             "margin": {"l": 50, "r": 20, "t": 45, "b": 40}, "showlegend": False})
 
 
 def _note(fig: go.Figure, text: str) -> go.Figure:
@@ -108,10 +115,15 @@ def _stage_name(stage: dict[str, Any]) -> str:
     return " · ".join(parts)
 
 
+def shown_stages(stages: SamplingStages) -> list[dict[str, Any]]:
+    """The stages worth drawing: the first (the model's distribution) and every one that was applied."""
+    return [s for i, s in enumerate(stages.stages) if i == 0 or s.get("applied", True)]
+
+
 def stage_tokens(stages: SamplingStages, limit: int = 12) -> list[int]:
     """The token ids the waterfall shows: the first stage's top ids, then any a later stage adds."""
     ids: list[int] = []
-    for stage in stages.stages:
+    for stage in shown_stages(stages):
         for tid in stage.get("top_ids", []):
             if tid not in ids:
                 ids.append(int(tid))
@@ -132,30 +144,37 @@ def stages_figure(stages: SamplingStages | None, vocab: dict[int, str]) -> go.Fi
     if stages is None or not stages.stages:
         return _note(_figure("sampling stages"), "no sampling stages for this token "
                                                  "(greedy without tracing, or accepted from a draft)")
+    shown = shown_stages(stages)
+    off = [str(s.get("name", "?")) for s in stages.stages if s not in shown]
     ids = stage_tokens(stages)
     labels = [token_label(t, vocab) for t in ids]
     chosen = token_label(stages.chosen, vocab) if stages.chosen >= 0 else "?"
     draw = "greedy (argmax)" if stages.greedy else f"draw u={stages.draw:.3f}" if stages.draw is not None else ""
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.1,
-                        subplot_titles=("probability after each stage", "tokens kept"))
-    for stage in stages.stages:
-        fig.add_trace(go.Bar(name=_stage_name(stage), x=labels, y=stage_probs(stage, ids),
-                             hovertemplate="%{x}: %{y:.4f}<extra>%{fullData.name}</extra>"), row=1, col=1)
-    counts = [stage.get("kept_count") for stage in stages.stages]
-    fig.add_trace(go.Bar(name="kept", x=[str(s.get("name", "?")) for s in stages.stages],
-                         y=[c if c is not None else 0 for c in counts], marker_color="#7f7f7f",
-                         text=[_kept_text(s) for s in stages.stages], textposition="outside",
-                         hovertemplate="%{x}: %{y:,} tokens<extra></extra>"), row=1, col=2)
+    peak = max((max(stage_probs(st, ids), default=0.0) for st in shown), default=0.0)
+    traces = [go.Bar(name=_stage_name(st), x=labels, y=stage_probs(st, ids),
+                     hovertemplate="%{x}: %{y:.4f}<extra>%{fullData.name}</extra>") for st in shown]
+    traces.append(go.Bar(name="kept", x=[str(st.get("name", "?")) for st in shown], xaxis="x2", yaxis="y2",
+                         y=[st.get("kept_count") or 0 for st in shown], marker_color="#7f7f7f",
+                         text=[_kept_text(st) for st in shown], textposition="outside", showlegend=False,
+                         hovertemplate="%{x}: %{y:,} tokens<extra></extra>"))
+    notes = [_subtitle("probability after each stage", 0.36), _subtitle("tokens kept", 0.89)]
     if chosen in labels:
-        fig.add_annotation(x=chosen, y=max(max(stage_probs(s, ids)) for s in stages.stages), text="chosen",
-                           showarrow=True, arrowhead=2, ax=0, ay=-25, row=1, col=1)
-    fig.update_layout(title={"text": f"sampling stages · position {stages.position} (step {stages.step}) · "
-                                     f"chose {html.escape(chosen, quote=False)} · {draw}", "font": {"size": 14}},
-                      height=HEIGHT + 40, template="plotly_white", barmode="group", showlegend=True,
-                      legend={"orientation": "h", "y": -0.25, "font": {"size": 10}},
-                      margin={"l": 50, "r": 20, "t": 60, "b": 40})
-    fig.update_yaxes(type="log", row=1, col=2)
-    return fig
+        notes.append({"x": chosen, "y": peak, "xref": "x", "yref": "y", "text": "chosen", "showarrow": True,
+                      "arrowhead": 2, "ax": 0, "ay": -25})
+    title = (f"sampling stages · position {stages.position} (step {stages.step}) · "
+             f"chose {html.escape(chosen, quote=False)} · {draw}"
+             + (f"<br><sup>stages off: {', '.join(off)}</sup>" if off else ""))
+    return go.Figure(data=traces, layout={
+        "title": {"text": title, "font": {"size": 14}}, "height": HEIGHT + 40, "template": TEMPLATE,
+        "barmode": "group", "showlegend": True, "legend": {"orientation": "h", "y": -0.25, "font": {"size": 10}},
+        "margin": {"l": 50, "r": 20, "t": 90, "b": 40}, "annotations": notes,
+        "xaxis": {"domain": [0.0, 0.72]}, "yaxis": {"anchor": "x"},
+        "xaxis2": {"domain": [0.8, 1.0], "anchor": "y2"}, "yaxis2": {"anchor": "x2", "type": "log"}})
+
+
+def _subtitle(text: str, x: float) -> dict[str, Any]:
+    return {"text": text, "x": x, "y": 1.0, "xref": "paper", "yref": "paper", "xanchor": "center",
+            "yanchor": "bottom", "showarrow": False, "font": {"size": 12}}
 
 
 def _kept_text(stage: dict[str, Any]) -> str:
@@ -225,22 +244,22 @@ def batch_figure(steps: Sequence[StepInfo], step: int | None, req_steps: Collect
         return _note(_figure("batch and KV usage"), "no steps recorded")
     xs = [s.step for s in steps]
     kv = [100.0 * s.kv_used / s.kv_total if s.kv_used is not None and s.kv_total else math.nan for s in steps]
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
-    fig.add_trace(go.Bar(name="batch size", x=xs, y=[s.batch_size for s in steps], marker_color=[
-        "#1f77b4" if s.step in req_steps else "#aec7e8" for s in steps],
-        customdata=[s.mode or "" for s in steps], hovertemplate="step %{x}: %{y} requests (%{customdata})"
-                                                                "<extra></extra>"), secondary_y=False)
-    fig.add_trace(go.Scatter(name="KV used %", x=xs, y=kv, mode="lines", line={"color": "#ff7f0e"},
-                             hovertemplate="step %{x}: %{y:.2f}% of the KV pool<extra></extra>"), secondary_y=True)
-    if step is not None:
-        fig.add_vline(x=step, line_width=2, line_color="#222", line_dash="dot")
-    fig.update_layout(title={"text": "batch size and KV usage", "font": {"size": 14}},
-                      height=HEIGHT - 40, template="plotly_white", showlegend=False,
-                      margin={"l": 50, "r": 50, "t": 45, "b": 40})
-    fig.update_xaxes(title_text="step (dark bars: the selected request ran)")
-    fig.update_yaxes(title_text="requests", secondary_y=False)
-    fig.update_yaxes(title_text="KV used %", secondary_y=True, rangemode="tozero")
-    return fig
+    traces = [
+        go.Bar(name="batch size", x=xs, y=[s.batch_size for s in steps],
+               marker_color=["#1f77b4" if s.step in req_steps else "#aec7e8" for s in steps],
+               customdata=[s.mode or "" for s in steps],
+               hovertemplate="step %{x}: %{y} requests (%{customdata})<extra></extra>"),
+        go.Scatter(name="KV used %", x=xs, y=kv, mode="lines", line={"color": "#ff7f0e"}, yaxis="y2",
+                   hovertemplate="step %{x}: %{y:.2f}% of the KV pool<extra></extra>"),
+    ]
+    shapes = [] if step is None else [{"type": "line", "x0": step, "x1": step, "y0": 0, "y1": 1, "xref": "x",
+                                       "yref": "paper", "line": {"width": 2, "color": "#222", "dash": "dot"}}]
+    return go.Figure(data=traces, layout={
+        "title": {"text": "batch size and KV usage", "font": {"size": 14}}, "height": HEIGHT - 40,
+        "template": TEMPLATE, "showlegend": False, "margin": {"l": 50, "r": 50, "t": 45, "b": 40},
+        "shapes": shapes, "xaxis": {"title": {"text": "step (dark bars: the selected request ran)"}},
+        "yaxis": {"title": {"text": "requests"}},
+        "yaxis2": {"title": {"text": "KV used %"}, "overlaying": "y", "side": "right", "rangemode": "tozero"}})
 
 
 # --- finish decision ---------------------------------------------------------------------------
