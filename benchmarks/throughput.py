@@ -37,40 +37,50 @@ def bench_engine(loaded, prompts, new: int, trace_level: str = "off", trace_path
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
     engine = Engine(loaded, trace=trace_path, trace_level=trace_level)
     engine.generate(prompts[:2], params.replace(max_new_tokens=4))  # warm-up
+    _sync(engine.device)
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
+    _sync(engine.device)
     secs = time.perf_counter() - t0
     engine.close()
     tokens = sum(len(o.token_ids) for o in outs)
     return {"tokens": tokens, "seconds": secs, "tok_s": tokens / secs}
 
 
-def bench_hf_static(folder, tok, prompts, new: int) -> dict:
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def bench_hf_static(folder, tok, prompts, new: int, device: str, dtype: torch.dtype) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     tok.padding_side = "left"
     texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     with torch.inference_mode():
         model.generate(**{k: v[:2] for k, v in enc.items()}, max_new_tokens=4, do_sample=False)
+        _sync(device)
         t0 = time.perf_counter()
         out = model.generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                              pad_token_id=tok.eos_token_id)
+        _sync(device)
         secs = time.perf_counter() - t0
     tokens = (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
     return {"tokens": tokens, "seconds": secs, "tok_s": tokens / secs}
 
 
-def bench_hf_continuous(folder, tok, prompts, new: int) -> dict:
+def bench_hf_continuous(folder, tok, prompts, new: int, device: str, dtype: torch.dtype) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="paged|sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="paged|sdpa").to(device).eval()
     ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)["input_ids"] for p in prompts]
     cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=tok.eos_token_id)
     with torch.inference_mode():
         t0 = time.perf_counter()
         outs = model.generate_batch(inputs=ids, generation_config=cfg, progress_bar=False)
+        _sync(device)
         secs = time.perf_counter() - t0
     tokens = sum(len(o.generated_tokens) for o in outs.values())
     return {"tokens": tokens, "seconds": secs, "tok_s": tokens / secs}
@@ -98,16 +108,18 @@ def main() -> None:
             path = os.path.join(tmp, f"{level}.wbtrace")
             runs.append((f"engine (trace {level})", lambda level=level, path=path: {
                 **bench_engine(loaded, prompts, args.new, level, path), "trace_bytes": os.path.getsize(path)}))
-        if not args.skip_hf and args.device == "cpu":
+        if not args.skip_hf:
+            dtype = getattr(torch, loaded.dtype)
             runs.append(("transformers generate() static batch",
-                         lambda: bench_hf_static(loaded.folder, loaded.tokenizer, prompts, args.new)))
+                         lambda: bench_hf_static(loaded.folder, loaded.tokenizer, prompts, args.new, args.device, dtype)))
             runs.append(("transformers generate_batch() continuous",
-                         lambda: bench_hf_continuous(loaded.folder, loaded.tokenizer, prompts, args.new)))
+                         lambda: bench_hf_continuous(loaded.folder, loaded.tokenizer, prompts, args.new, args.device,
+                                                     dtype)))
         for name, fn in tqdm(runs, desc="benchmarks", unit="run"):
             results[name] = fn()
             tqdm.write(f"{name:45s} {results[name]['tok_s']:8.1f} tok/s ({results[name]['seconds']:.1f} s)")
     base = results["engine (trace off)"]["tok_s"]
-    print(f"\n{args.prompts} chat prompts, greedy, {args.new} new tokens, {args.model}, {args.device}, "
+    print(f"\n{args.prompts} chat prompts, greedy, {args.new} new tokens, {args.model}, {args.device} {loaded.dtype}, "
           f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     print(f"{'run':45s} {'tok/s':>8s} {'engine / this':>14s}")
     for name, r in results.items():
