@@ -36,16 +36,18 @@ def workbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
             v = value[:, :, start:start + n]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         else:
-            k = kv.k[layer][kv_idx].transpose(0, 1).unsqueeze(0)  # [1, KVH, prefix+n, D]
-            v = kv.v[layer][kv_idx].transpose(0, 1).unsqueeze(0)
+            k = kv.k[layer].index_select(0, kv_idx).transpose(0, 1).unsqueeze(0)  # [1, KVH, prefix+n, D]
+            v = kv.v[layer].index_select(0, kv_idx).transpose(0, 1).unsqueeze(0)
             mask = torch.ones((n, prefix + n), dtype=torch.bool, device=q.device).tril(diagonal=prefix)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
         out[0, start:start + n] = o[0].transpose(0, 1)
     if meta.decode_kv_idx is not None:
         d0 = meta.decode_start
         q = query[0, :, d0:].transpose(0, 1).unsqueeze(2)  # [Bd, H, 1, D]
-        k = kv.k[layer][meta.decode_kv_idx].transpose(1, 2)  # [Bd, KVH, L, D]
-        v = kv.v[layer][meta.decode_kv_idx].transpose(1, 2)
+        idx = meta.decode_kv_idx  # [Bd, L]; index_select is ~3x faster than advanced indexing here
+        shape = (*idx.shape, *kv.k[layer].shape[1:])
+        k = kv.k[layer].index_select(0, idx.reshape(-1)).view(shape).transpose(1, 2)  # [Bd, KVH, L, D]
+        v = kv.v[layer].index_select(0, idx.reshape(-1)).view(shape).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True)
         out[0, d0:] = o[:, :, 0]
     return out, None

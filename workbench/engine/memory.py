@@ -86,8 +86,9 @@ class KVPool:
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store `k, v` of shape `[num_tokens, kv_heads, head_dim]` at slots `loc`."""
-        self.k[layer][loc] = k
-        self.v[layer][loc] = v
+        # index_copy_ is ~50x cheaper than `buf[loc] = k` (advanced-index assignment) on CPU.
+        self.k[layer].index_copy_(0, loc, k)
+        self.v[layer].index_copy_(0, loc, v)
 
 
 class Memory:
@@ -98,3 +99,10 @@ class Memory:
         self.req_to_token_pool = ReqToTokenPool(max_running, max_context_len, device)
         self.allocator = TokenToKVPoolAllocator(kv_tokens, device)
         self.kv = KVPool(num_layers, kv_tokens, kv_heads, head_dim, dtype, device)
+
+    def copy_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V from slots `src` to slots `dst` (n > 1 siblings sharing a prompt)."""
+        src, dst = src.to(self.kv.k[0].device), dst.to(self.kv.k[0].device)
+        for k, v in zip(self.kv.k, self.kv.v):
+            k[dst] = k[src]
+            v[dst] = v[src]
