@@ -122,3 +122,18 @@ def test_cuda_bf16_greedy_runs(smollm2):
     outs = engine.generate(PROMPTS, GREEDY)
     assert all(len(o.token_ids) == GREEDY.max_new_tokens for o in outs)
     assert torch.cuda.is_available()
+
+
+def test_latency_stages_add_up_to_end_to_end(tiny):
+    engine = Engine(tiny, trace_level="summary", chunk_size=4)
+    engine.add_request("warm up the engine", SamplingParams(temperature=0, max_new_tokens=4))
+    out = engine.generate("a seeded request with a prompt longer than one chunk",
+                          SamplingParams(temperature=0.8, seed=3, max_new_tokens=12))[0]
+    t = out.timings
+    assert set(t["stages"]) == {"tokenize", "queue", "wait", "schedule", "forward", "sample", "output"}
+    assert all(v >= 0 for v in t["stages"].values())
+    assert abs(sum(t["stages"].values()) - t["e2e"]) <= 0.05 * t["e2e"]
+    assert t["stages"]["forward"] > 0 and t["ttft"] > 0 and len(t["itl"]) == len(out.token_ids) - 1
+    stamps = [e for e in engine.memory_sink.of_kind("stamp") if e.req_id == out.req_id]
+    assert [s.stage for s in stamps[:2]] == ["arrival", "tokenized"]
+    assert sum(s.stage == "step" for s in stamps) == len(out.token_ids)

@@ -30,6 +30,7 @@ from workbench.engine.request import Req, ReqStatus
 from workbench.engine.sampler import Sampler, SamplingBatchInfo
 from workbench.engine.sampling_params import SamplingParams
 from workbench.engine.scheduler import Scheduler
+from workbench.engine.timing import ReqTiming, StepClock
 from workbench.models.loader import LoadedModel, load_model
 from workbench.trace.recorder import MemorySink, Tracer
 
@@ -75,6 +76,7 @@ class Engine:
 
             self.spec = make_spec_worker(spec, self)
         self.step_no = 0
+        self.clock = StepClock()
         self.reqs: dict[str, Req] = {}
         self.finished: dict[str, RequestOutput] = {}
         self._inbox: queue.SimpleQueue[Req] = queue.SimpleQueue()
@@ -105,6 +107,7 @@ class Engine:
     def add_request(self, prompt: Prompt | list[int], params: SamplingParams | None = None,
                     req_id: str | None = None) -> list[str]:
         """Validate and queue a request (n > 1 queues n); returns the request ids. Thread-safe."""
+        arrival = time.perf_counter()
         params = params or SamplingParams()
         params.validate(self.vocab_size)
         prompt_ids = self.tokenize(prompt)
@@ -120,12 +123,15 @@ class Engine:
             seed = params.seed + i if params.seed is not None else None
             gen = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
             req = Req(rid, prompt, prompt_ids, params, generator=gen, parent_id=base if params.n > 1 else None,
-                      share_prefix_from=first)
+                      share_prefix_from=first, arrival_time=arrival, timing=ReqTiming(arrival))
             first = first or req  # siblings copy the first one's prompt KV instead of recomputing it
             req.grammar = self.grammars.new_state(params)
             self.outputs.init_request(req)
             self.reqs[rid] = req
-            self._inbox.put(req)
+        tokenized = time.perf_counter()
+        for rid in ids:
+            self.reqs[rid].timing.mark_tokenized(tokenized)
+            self._inbox.put(self.reqs[rid])
         return ids
 
     def abort(self, req_id: str, reason: str = "aborted by caller") -> None:
@@ -151,7 +157,9 @@ class Engine:
         if not self.scheduler.has_work():
             return results
         self.step_no += 1
+        self.clock = clock = StepClock()
         batch = self.scheduler.schedule()
+        clock.scheduled = time.perf_counter()
         for req in batch.preempted:
             self._emit_free(req, "preempt")
             if self.spec is not None:
@@ -170,7 +178,7 @@ class Engine:
         if self.tracer.on:
             self.tracer.emit(tracing.forward_batch_event(self, fb))
         logits = self.runner.forward(fb)  # [num_sampled + num_prompt_logprob_rows, vocab]
-        t1 = time.perf_counter()
+        t1 = clock.forward_end = time.perf_counter()
         for chunk in batch.prefill:
             chunk.req.kv_len += chunk.length
         for req in batch.decode:
@@ -178,12 +186,15 @@ class Engine:
         if self.spec is not None:
             self.spec.on_extend(batch)  # a draft model prefills the same chunks
         logits = self._after_prefill(batch.prefill, fb, logits)  # [num_sampled, vocab]
+        for chunk in batch.prefill:
+            if not chunk.last_chunk:
+                chunk.req.timing.account_chunk(clock)
         if not sample_reqs:  # only mid-prompt chunks ran: nothing to sample this step
             if self.tracer.on:
                 self.tracer.emit(tracing.forward_done_event(self, fb, t1 - t0, 0.0))
             return results
         sample = self.sampler(logits, fb.sampling_info, self.trace_topk if self.tracer.on else 0)
-        t2 = time.perf_counter()
+        t2 = clock.sampled = time.perf_counter()
         if self.tracer.on:
             self.tracer.emit(tracing.forward_done_event(self, fb, t1 - t0, t2 - t1))
             tracing.emit_sampling(self, sample_reqs, logits, sample)
@@ -232,7 +243,7 @@ class Engine:
         for req in reqs:
             new = new_tokens[req.req_id]
             first = len(req.output_ids) - len(new) + 1
-            delta, kept, out, tail = [], [], None, ""
+            delta, kept, final = [], [], None
             for n in range(first, len(req.output_ids) + 1):
                 detok, decision = self.outputs.process_token(req, n)
                 kept.append(req.output_ids[n - 1])
@@ -241,8 +252,14 @@ class Engine:
                     tracing.emit_output_events(self, req, [req.output_ids[n - 1]], detok, decision)
                 if decision.finish_reason is not None:
                     self.outputs.truncate(req, n)
-                    out, tail = self._finish(req, decision.finish_reason, decision.evidence, decision.matched_stop)
+                    final = decision
                     break
+            stamps = req.timing.account_step(self.clock, time.perf_counter())
+            if self.tracer.on:
+                self.tracer.emit(tracing.stamp_event(self, req.req_id, "step", stamps))
+            out, tail = None, ""
+            if final is not None:
+                out, tail = self._finish(req, final.finish_reason, final.evidence, final.matched_stop)
             results.append(StepOutput(req.req_id, kept, "".join(delta) + tail, out is not None, out))
         return results
 
@@ -271,6 +288,8 @@ class Engine:
             self.scheduler.add(req)
             if self.tracer.on:
                 self.tracer.emit(tracing.request_added_event(self, req))
+                self.tracer.emit(tracing.stamp_event(self, req.req_id, "arrival", {}, req.timing.arrival))
+                self.tracer.emit(tracing.stamp_event(self, req.req_id, "tokenized", {}, req.timing.tokenized))
         results = []
         while not self._aborts.empty():
             rid, reason = self._aborts.get()

@@ -127,7 +127,6 @@ class OutputProcessor:
                 for t, lp, rk, top in zip(req.output_ids, req.output_logprobs[:n], req.output_ranks[:n],
                                           req.output_top_logprobs[:n], strict=True)
             ]
-        ttft = (req.first_token_time - req.arrival_time) if req.first_token_time else None
         times = req.token_times[:n]
         return RequestOutput(
             req_id=req.req_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids, text=req.detok.text,
@@ -135,7 +134,6 @@ class OutputProcessor:
             evidence=req.evidence, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs(req), usage={
                 "prompt_tokens": len(req.prompt_ids), "completion_tokens": n,
                 "cached_prompt_tokens": req.cached_prompt_tokens},
-            timings={"ttft": ttft, "itl": [b - a for a, b in zip(times, times[1:])],
-                     "e2e": time.perf_counter() - req.arrival_time, "preemptions": req.num_preemptions},
+            timings={**req.timing.summary(times, time.perf_counter()), "preemptions": req.num_preemptions},
             spec=req.spec_stats.to_dict() if req.spec_stats is not None else None,
             tool_calls=self._tool_calls(req, tail), error=req.error), tail

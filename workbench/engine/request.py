@@ -42,6 +42,7 @@ class Req:
     output_token_ids_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_ranks: list[int | None] = field(default_factory=list)
     finish_reason: str | None = None
     evidence: dict[str, Any] | None = None
     matched_stop: Any = None
@@ -53,12 +54,15 @@ class Req:
     num_preemptions: int = 0
     cached_prompt_tokens: int = 0
     parent_id: str | None = None
+    # n > 1: the sibling whose prompt KV this request copies once that sibling's prefill completes
+    share_prefix_from: Req | None = None
     # per-request state owned by other stages (detokenizer, grammar matcher, tool parser, spec metrics)
     detok: Any = None
     grammar: Any = None
     tool_parser: Any = None
     spec_stats: Any = None
     text: str = ""
+    timing: Any = None  # timing.ReqTiming: where this request's time went
     stream_deltas: list[str] = field(default_factory=list)
 
     @property
