@@ -244,7 +244,8 @@ class EventSource:
 
 def as_source(obj: Any) -> TraceSource | EventSource:
     """A source from a path, an open `Trace`, a `MemorySink`, a list of events, or an engine object
-    whose tracer has a `MemorySink` (ValueError otherwise)."""
+    whose tracer has a `MemorySink` (ValueError otherwise). From a sink or an engine it is a snapshot
+    of the events so far; call again after generating more (LiveView follows an engine instead)."""
     if isinstance(obj, (TraceSource, EventSource)):
         return obj
     if isinstance(obj, (str, os.PathLike)):
