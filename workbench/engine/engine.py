@@ -192,7 +192,7 @@ class Engine:
         if not sample_reqs:  # only mid-prompt chunks ran: nothing to sample this step
             if self.tracer.on:
                 self.tracer.emit(tracing.forward_done_event(self, fb, t1 - t0, 0.0))
-            return results
+            return results + self._finish_scored(batch.prefill)
         sample = self.sampler(logits, fb.sampling_info, self.trace_topk if self.tracer.on else 0)
         t2 = clock.sampled = time.perf_counter()
         if self.tracer.on:

@@ -35,6 +35,7 @@ class RowSpec:
     prefix_len: int
     input_ids: list[int]
     sample_rows: int  # how many trailing positions need logits (0 for a mid-prompt chunk, k+1 to verify)
+    prompt_logprob_rows: int = 0  # leading positions whose logits score the next prompt token
 
 
 @dataclass(slots=True)
@@ -63,13 +64,15 @@ class ForwardBatch:
     extend_seq_lens: torch.Tensor  # [B]
     req_ids: list[str]
     logits_rows: torch.Tensor  # token indices whose logits are kept (logits_to_keep)
-    logits_owner: list[int]  # for each kept row, the index of its request in the batch
+    logits_owner: list[int]  # for each kept sampling row, the index of its request in the batch
     attn: AttentionMeta
     memory: Memory
     sampling_info: Any = None
     return_logprob: bool = False
     top_logprobs_nums: list[int] = field(default_factory=list)
     layer_limit: int | None = None  # early-exit drafting runs only the first N layers
+    # (batch index, position) of the kept rows after the sampling rows: logits for prompt logprobs
+    prompt_logprob_rows: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +90,7 @@ def build_forward_batch(mode: ForwardMode, rows: list[RowSpec], memory: Memory, 
     total = sum(lengths)
     out_cache_loc = memory.allocator.allocate(total)
     input_ids, positions, keep, owner, extend_rows = [], [], [], [], []
+    prompt_keep, prompt_rows = [], []
     # The decode block is the longest run of one-token rows with a cached prefix at the end.
     first_decode = len(rows)
     while first_decode > 0 and lengths[first_decode - 1] == 1 and rows[first_decode - 1].prefix_len > 0:
@@ -99,6 +103,9 @@ def build_forward_batch(mode: ForwardMode, rows: list[RowSpec], memory: Memory, 
         for j in range(n - row.sample_rows, n):
             keep.append(start + j)
             owner.append(b)
+        for j in range(row.prompt_logprob_rows):
+            prompt_keep.append(start + j)
+            prompt_rows.append((b, row.prefix_len + j))
         if b == first_decode:
             decode_start = start
         if b < first_decode:
@@ -113,8 +120,8 @@ def build_forward_batch(mode: ForwardMode, rows: list[RowSpec], memory: Memory, 
         req_pool_indices=as_t([r.req_pool_idx for r in rows]), seq_lens=as_t(seq_lens),
         out_cache_loc=out_cache_loc.to(device), positions=as_t(positions),
         extend_prefix_lens=as_t([r.prefix_len for r in rows]), extend_seq_lens=as_t(lengths),
-        req_ids=[r.req_id for r in rows], logits_rows=as_t(keep), logits_owner=owner, attn=attn,
-        memory=memory,
+        req_ids=[r.req_id for r in rows], logits_rows=as_t(keep + prompt_keep), logits_owner=owner, attn=attn,
+        memory=memory, prompt_logprob_rows=prompt_rows,
     )
 
 

@@ -1,122 +1,319 @@
-"""The batched sampler: per-request sampling tensors built once per batch, the stages, the draw.
+"""The batched sampler: per-row sampling tensors built once per batch, the stages, the draw.
 
 Owns: `SamplingBatchInfo` (per-row tensors from each request's SamplingParams), the stage order
-(temperature -> top-k -> top-p -> sample), greedy argmax rows, per-request generators for seeded
-rows, chosen-token logprobs/ranks/top-logprobs, and optional per-stage records for tracing.
-Does not own: validation (sampling_params.py) or finish rules.
+`penalties (+ min_new_tokens) -> logit_bias -> grammar -> temperature -> top_k -> top_p -> min_p`,
+the draw (inverse CDF of one uniform per row, from the request's own generator when seeded),
+greedy rows (argmax of the processed logits), chosen-token logprobs, and per-stage records for
+tracing (only computed when asked for: `trace_topk > 0`). Does not own: validation
+(sampling_params.py), the stages' tensors (penalties.py, grammar.py), logprob bookkeeping
+(logprobs.py) or finish rules.
+
+Stable API (the speculative decoder relies on it):
+- `SamplingBatchInfo.build(reqs, vocab_size, device, *, eos_token_ids=(), prefixes=None)`: row i is
+  sampled for `reqs[i]`; a request may own several rows. `prefixes[i]` are the tokens that follow
+  `reqs[i].output_ids` before row i (draft tokens, for penalties, min_new_tokens and the grammar).
+- `Sampler.process(logits, info) -> [R, V]` final logits: every stage applied, removed tokens -inf,
+  greedy rows at temperature 1.
+- `Sampler.probs(logits, info) -> [R, V]`: the distribution each row is sampled from, without
+  drawing; greedy rows are one-hot at their argmax.
+- `Sampler.draw(probs, info, u=None) -> (ids [R] int64, u [R] float64)`: inverse-CDF draw
+  (`id = first index whose CDF exceeds u * total`); `u` explicit or drawn per row (seeded rows from
+  `req.generator`, in row order); greedy rows take the argmax and report u = NaN.
+- `Sampler(stage_order=...)`: the order is injectable so tests can show a wrong order is detected.
+- `Sampler.__call__(logits, info, trace_topk=0) -> SamplerOutput`.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from workbench.engine import grammar as grammar_mod
+from workbench.engine import logprobs as lp_mod
+from workbench.engine.penalties import LogitBias, PenaltyTensors, TokenBan
 from workbench.engine.request import Req
+
+STAGES = ("penalties", "logit_bias", "grammar", "temperature", "top_k", "top_p", "min_p")
+NEG_INF = float("-inf")
 
 
 @dataclass(slots=True)
 class SamplingBatchInfo:
-    """Per-row sampling tensors; row i belongs to `reqs[i]`."""
+    """Per-row sampling tensors; row i belongs to `reqs[i]` (a request may own several rows)."""
 
     reqs: list[Req]
-    temperatures: torch.Tensor  # [R, 1]
-    top_ks: torch.Tensor  # [R] (vocab size where disabled)
-    top_ps: torch.Tensor  # [R]
+    prefixes: list[tuple[int, ...]]
+    vocab_size: int
+    temperatures: torch.Tensor  # [R, 1] (1.0 for greedy rows)
     greedy: torch.Tensor  # [R] bool
     all_greedy: bool
+    top_ks: torch.Tensor  # [R] int64 (vocab size where disabled)
+    top_ps: torch.Tensor  # [R]
+    min_ps: torch.Tensor  # [R]
+    processed: torch.Tensor  # [R] bool: logprobs_mode == "processed"
+    penalties: PenaltyTensors | None
+    ban: TokenBan | None
+    bias: LogitBias | None
+    grammar: tuple[torch.Tensor, list[int]] | None  # (bitmask [R, ceil(V/32)] int32, constrained rows)
     need_top_logprobs: int
+    token_ids_logprob: list[tuple[int, ...]]
 
     @classmethod
-    def build(cls, reqs: list[Req], vocab_size: int, device: str) -> SamplingBatchInfo:
+    def build(cls, reqs: Sequence[Req], vocab_size: int, device: str, *, eos_token_ids: Sequence[int] = (),
+              prefixes: Sequence[Sequence[int]] | None = None) -> SamplingBatchInfo:
+        reqs = list(reqs)
+        pre = [tuple(p) for p in prefixes] if prefixes is not None else [()] * len(reqs)
+        if len(pre) != len(reqs):
+            raise ValueError(f"prefixes: got {len(pre)} for {len(reqs)} rows")
         ps = [r.params for r in reqs]
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in ps], device=device)
-        top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in ps], device=device)
-        greedy = torch.tensor([p.temperature == 0 for p in ps], device=device)
-        return cls(reqs=reqs, temperatures=temps[:, None], top_ks=top_ks.clamp(max=vocab_size),
-                   top_ps=torch.tensor([float(p.top_p) for p in ps], device=device), greedy=greedy,
-                   all_greedy=bool(greedy.all()), need_top_logprobs=max(p.top_logprobs for p in ps))
+        t = lambda xs, dt=torch.float32: torch.tensor(xs, dtype=dt, device=device)  # noqa: E731
+        greedy = t([p.temperature == 0 for p in ps], torch.bool)
+        return cls(
+            reqs=reqs, prefixes=pre, vocab_size=vocab_size,
+            temperatures=t([p.temperature if p.temperature > 0 else 1.0 for p in ps])[:, None], greedy=greedy,
+            all_greedy=bool(greedy.all()) if reqs else True,
+            top_ks=t([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps], torch.int64),
+            top_ps=t([p.top_p for p in ps]), min_ps=t([p.min_p for p in ps]),
+            processed=t([p.logprobs_mode == "processed" for p in ps], torch.bool),
+            penalties=PenaltyTensors.build(reqs, pre, vocab_size, device),
+            ban=TokenBan.build(reqs, pre, eos_token_ids, device), bias=LogitBias.build(reqs, device),
+            grammar=grammar_mod.grammar_bitmask([r.grammar for r in reqs], pre, vocab_size),
+            need_top_logprobs=max((p.top_logprobs for p in ps), default=0),
+            token_ids_logprob=[tuple(p.token_ids_logprob) for p in ps])
+
+    @property
+    def needs_stages(self) -> bool:
+        """False when plain argmax of the raw logits is exactly what every row would get."""
+        return not self.all_greedy or any(x is not None for x in (self.penalties, self.ban, self.bias, self.grammar)) \
+            or bool(self.processed.any())
+
+    def applied(self, stage: str) -> list[bool]:
+        """Per row: do this row's params make `stage` do anything?"""
+        rows = range(len(self.reqs))
+        if stage == "penalties":
+            marked = set(self.penalties.rows.tolist()) if self.penalties else set()
+            marked |= set(self.ban.banned_rows) if self.ban else set()
+            return [i in marked for i in rows]
+        if stage == "logit_bias":
+            return [i in set(self.bias.biased_rows) for i in rows] if self.bias else [False] * len(rows)
+        if stage == "grammar":
+            return [i in set(self.grammar[1]) for i in rows] if self.grammar else [False] * len(rows)
+        if stage == "temperature":
+            return ((self.temperatures[:, 0] != 1.0) & ~self.greedy).tolist()
+        if stage == "top_k":
+            return (self.top_ks < self.vocab_size).tolist()
+        if stage == "top_p":
+            return (self.top_ps < 1.0).tolist()
+        if stage == "min_p":
+            return (self.min_ps > 0.0).tolist()
+        raise ValueError(f"unknown sampling stage {stage!r}; stages are {STAGES}")
 
     def summary(self) -> list[dict[str, Any]]:
-        return [{"req_id": r.req_id, "temperature": r.params.temperature, "top_k": r.params.top_k,
-                 "top_p": r.params.top_p, "seed": r.params.seed} for r in self.reqs]
+        keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                "presence_penalty", "min_new_tokens", "seed", "logprobs_mode")
+        out = []
+        for r, pre in zip(self.reqs, self.prefixes):
+            d = {"req_id": r.req_id, **{k: getattr(r.params, k) for k in keys}}
+            d.update(logit_bias=len(r.params.logit_bias or {}), grammar=(r.params.grammar or (None,))[0],
+                     prefix_len=len(pre))
+            out.append(d)
+        return out
 
 
 @dataclass(slots=True)
 class SamplerOutput:
     next_token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float]  # of the chosen token, in each row's logprobs_mode
     ranks: list[int]
     top_logprobs: list[list[tuple[int, float]]]
-    draws: list[float | None]
-    stages: list[list[dict[str, Any]]] | None
-    raw_logprobs: torch.Tensor  # [R, V]
+    draws: list[float | None]  # the uniform each row used (None for greedy rows)
+    stages: list[list[dict[str, Any]]] | None  # per row, one dict per stage (when traced)
+    raw_logprobs: torch.Tensor  # [R, V] log-softmax of the model's logits
+    token_ids_logprobs: list[dict[int, float]]
+
+
+def _rows(mask: torch.Tensor) -> torch.Tensor:
+    return mask.nonzero().flatten()
+
+
+def _stage_temperature(x: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    return x if bool((info.temperatures == 1.0).all()) else x / info.temperatures
+
+
+def _stage_top_k(x: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Keep the k largest logits (ties with the k-th kept, as transformers' TopKLogitsWarper)."""
+    rows = _rows(info.top_ks < x.shape[-1])
+    if rows.numel():
+        ks = info.top_ks[rows]
+        sub = x[rows]
+        kth = sub.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1)[:, None])  # [r, 1]
+        x[rows] = sub.masked_fill(sub < kth, NEG_INF)
+    return x
+
+
+def _stage_top_p(x: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (the crossing token stays)."""
+    rows = _rows(info.top_ps < 1.0)
+    if rows.numel():
+        sub = x[rows]
+        sorted_p, order = torch.softmax(sub, dim=-1).sort(dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # exclusive cumulative mass
+        drop_sorted = mass_before >= info.top_ps[rows][:, None]
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        x[rows] = sub.masked_fill(drop, NEG_INF)
+    return x
+
+
+def _stage_min_p(x: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    rows = _rows(info.min_ps > 0.0)
+    if rows.numel():
+        sub = x[rows]
+        probs = torch.softmax(sub, dim=-1)
+        threshold = info.min_ps[rows][:, None] * probs.max(dim=-1, keepdim=True).values
+        x[rows] = sub.masked_fill(probs < threshold, NEG_INF)
+    return x
+
+
+def _stage_penalties(x: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    if info.penalties is not None:
+        info.penalties.apply(x)
+    if info.ban is not None:
+        info.ban.apply(x)
+    return x
+
+
+def _stage_logit_bias(x: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    if info.bias is not None:
+        info.bias.apply(x)
+    return x
+
+
+def _stage_grammar(x: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    if info.grammar is not None:
+        grammar_mod.apply_bitmask(x, *info.grammar)
+    return x
+
+
+_STAGE_FNS = {"penalties": _stage_penalties, "logit_bias": _stage_logit_bias, "grammar": _stage_grammar,
+              "temperature": _stage_temperature, "top_k": _stage_top_k, "top_p": _stage_top_p,
+              "min_p": _stage_min_p}
+
+
+class StageRecorder:
+    """Per row, the top-k distribution after every stage (only built when tracing asks for it)."""
+
+    def __init__(self, k: int, logits: torch.Tensor, info: SamplingBatchInfo) -> None:
+        self.k = min(k, logits.shape[-1])
+        self.info = info
+        self.rows: list[list[dict[str, Any]]] = [[] for _ in range(logits.shape[0])]
+        self.prev = torch.softmax(logits, dim=-1)
+        self._add("logits", self.prev, self.prev, [True] * logits.shape[0])
+
+    def record(self, stage: str, x: torch.Tensor) -> None:
+        applied = self.info.applied(stage)
+        if not any(applied):  # the distribution is unchanged: repeat the previous record, all mass kept
+            for row in self.rows:
+                row.append({**row[-1], "name": stage, "kept_mass": 1.0, "applied": False})
+            return
+        probs = torch.softmax(x, dim=-1)
+        self._add(stage, probs, self.prev, applied, kept=torch.isfinite(x))
+        self.prev = probs
+
+    def _add(self, name: str, probs: torch.Tensor, prev: torch.Tensor, applied: list[bool],
+             kept: torch.Tensor | None = None) -> None:
+        kept = probs > 0 if kept is None else kept
+        vals, ids = probs.topk(self.k, dim=-1)
+        kept_mass = (prev * kept).sum(-1).tolist()
+        entropy = (-(probs * probs.log()).nan_to_num().sum(-1)).tolist()
+        counts = kept.sum(-1).tolist()
+        for r, (v, i) in enumerate(zip(vals.tolist(), ids.tolist())):
+            self.rows[r].append({"name": name, "top_ids": i, "top_probs": v, "kept_mass": kept_mass[r],
+                                 "kept_count": counts[r], "entropy": entropy[r], "applied": applied[r]})
 
 
 class Sampler:
+    def __init__(self, stage_order: Sequence[str] = STAGES) -> None:
+        if sorted(stage_order) != sorted(STAGES):
+            raise ValueError(f"stage_order must be a permutation of {STAGES}, got {tuple(stage_order)}")
+        self.stage_order = tuple(stage_order)
+
+    def process(self, logits: torch.Tensor, info: SamplingBatchInfo,
+                recorder: StageRecorder | None = None) -> torch.Tensor:
+        """Final logits `[R, V]` after every stage, in this sampler's order; removed tokens are -inf."""
+        x = logits.float().clone()
+        for stage in self.stage_order:
+            x = _STAGE_FNS[stage](x, info)
+            if recorder is not None:
+                recorder.record(stage, x)
+        return x
+
+    def probs(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """The distribution each row samples from `[R, V]` (greedy rows: one-hot at the argmax)."""
+        return self._final_probs(self.process(logits, info), info)
+
+    @staticmethod
+    def _final_probs(final: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        probs = torch.softmax(final, dim=-1)
+        if bool(info.greedy.any()):
+            rows = _rows(info.greedy)
+            one_hot = torch.zeros_like(probs[rows]).scatter_(1, final[rows].argmax(-1, keepdim=True), 1.0)
+            probs[rows] = one_hot
+        return probs
+
+    def draw(self, probs: torch.Tensor, info: SamplingBatchInfo,
+             u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse-CDF draw per row; returns `(ids [R] int64, u [R] float64)` (u NaN for greedy rows)."""
+        if u is None:
+            u = self.uniforms(info)
+        u = u.to(torch.float64).cpu()
+        cdf = probs.detach().to(torch.float64).cpu().cumsum(dim=-1)  # [R, V]
+        ids = (cdf <= u[:, None] * cdf[:, -1:]).sum(dim=-1).clamp(max=probs.shape[-1] - 1)
+        # float rounding at the top end could land past the last kept token: take the last kept one
+        bad = _rows(probs.detach().cpu().gather(1, ids[:, None])[:, 0] <= 0)
+        for r in bad.tolist():
+            ids[r] = int(_rows(probs[r].cpu() > 0)[-1])
+        greedy = info.greedy.cpu()
+        if bool(greedy.any()):
+            ids = torch.where(greedy, probs.detach().cpu().argmax(dim=-1), ids)
+        return ids.to(probs.device), u
+
+    @staticmethod
+    def uniforms(info: SamplingBatchInfo) -> torch.Tensor:
+        """One uniform in [0, 1) per row: seeded rows from their request's generator (in row order),
+        the rest from torch's global generator; greedy rows get NaN and consume nothing."""
+        u = torch.full((len(info.reqs),), math.nan, dtype=torch.float64)
+        unseeded = []
+        for r, req in enumerate(info.reqs):
+            if req.params.temperature == 0:
+                continue
+            if req.generator is not None:
+                u[r] = torch.rand((), generator=req.generator, dtype=torch.float64)
+            else:
+                unseeded.append(r)
+        if unseeded:
+            u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
+        return u
+
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo, trace_topk: int = 0) -> SamplerOutput:
         """Sample one token per row of `logits` `[R, V]`; record stages when `trace_topk > 0`."""
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        stages: list[list[dict[str, Any]]] | None = [[] for _ in info.reqs] if trace_topk else None
-        if info.all_greedy and not trace_topk:
-            next_ids = logits.argmax(dim=-1)
-            draws: list[float | None] = [None] * len(info.reqs)
-        else:
-            probs = self._process(logits, info, stages, trace_topk)
-            next_ids, draws = self._draw(probs, logits, info)
-        chosen = raw_logprobs.gather(1, next_ids[:, None])[:, 0]
-        ranks = (raw_logprobs > chosen[:, None]).sum(dim=-1) + 1
-        k = info.need_top_logprobs
-        tops: list[list[tuple[int, float]]] = [[] for _ in info.reqs]
-        if k:
-            vals, ids = raw_logprobs.topk(k, dim=-1)
-            tops = [list(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(ids, vals, strict=True)]
-        return SamplerOutput(next_ids.tolist(), chosen.tolist(), ranks.tolist(), tops, draws, stages, raw_logprobs)
-
-    def _process(self, logits: torch.Tensor, info: SamplingBatchInfo, stages, k: int) -> torch.Tensor:
-        """Apply temperature, top-k and top-p; return the final probabilities `[R, V]`."""
-        probs = torch.softmax(logits / info.temperatures, dim=-1)
-        self._record(stages, "temperature", probs, k)
-        sorted_p, sorted_i = probs.sort(dim=-1, descending=True)
-        ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-        sorted_p = sorted_p.masked_fill(ranks >= info.top_ks[:, None], 0.0)
-        probs = torch.zeros_like(probs).scatter_(1, sorted_i, sorted_p)
-        self._record(stages, "top_k", probs / probs.sum(-1, keepdim=True), k)
-        cum = sorted_p.cumsum(dim=-1)
-        mass = cum[:, -1:]
-        # keep the smallest prefix whose mass reaches top_p (the token crossing the threshold stays)
-        drop = (cum - sorted_p) / mass >= info.top_ps[:, None]
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(1, sorted_i, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-        self._record(stages, "top_p", probs, k)
-        return probs
-
-    @staticmethod
-    def _record(stages, name: str, probs: torch.Tensor, k: int) -> None:
-        if stages is None:
-            return
-        vals, ids = probs.topk(min(k, probs.shape[-1]), dim=-1)
-        kept = (probs > 0).sum(-1).tolist()
-        for row, (v, i) in enumerate(zip(vals.tolist(), ids.tolist(), strict=True)):
-            stages[row].append({"name": name, "top_ids": i, "top_probs": v, "kept_count": kept[row]})
-
-    @staticmethod
-    def _draw(probs: torch.Tensor, logits: torch.Tensor, info: SamplingBatchInfo):
-        """Inverse-CDF draw with one uniform per row, from the request's own generator when seeded."""
-        next_ids, draws = [], []
-        cdf = probs.cumsum(dim=-1)
-        for row, req in enumerate(info.reqs):
-            if req.params.temperature == 0:
-                next_ids.append(int(logits[row].argmax()))
-                draws.append(None)
-                continue
-            u = float(torch.rand((), generator=req.generator)) if req.generator is not None else float(torch.rand(()))
-            idx = int(torch.searchsorted(cdf[row], torch.tensor([u * float(cdf[row, -1])])).clamp(max=probs.shape[-1] - 1))
-            while probs[row, idx] == 0 and idx > 0:  # never land on a token a filter removed
-                idx -= 1
-            next_ids.append(idx)
-            draws.append(u)
-        return torch.tensor(next_ids, device=logits.device), draws
+        raw_lp = torch.log_softmax(logits, dim=-1)
+        rows = logits.shape[0]
+        recorder = StageRecorder(trace_topk, logits, info) if trace_topk and rows else None
+        if info.needs_stages or recorder is not None:
+            final = self.process(logits, info, recorder)
+            ids, u = self.draw(self._final_probs(final, info), info)
+            draws = [None if math.isnan(x) else x for x in u.tolist()]
+        else:  # every row greedy with nothing that changes the argmax: skip the stages
+            final, ids, draws = None, logits.argmax(dim=-1), [None] * rows
+        lp = raw_lp
+        if final is not None and bool(info.processed.any()):
+            lp = torch.where(info.processed[:, None], torch.log_softmax(final, dim=-1), raw_lp)
+        facts = lp_mod.token_logprobs(lp, ids, info.need_top_logprobs, info.token_ids_logprob)
+        return SamplerOutput(ids.tolist(), facts.logprobs, facts.ranks, facts.top, draws,
+                             recorder.rows if recorder is not None else None, raw_lp, facts.token_ids)

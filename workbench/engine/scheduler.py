@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.engine.forward_batch import ForwardMode, RowSpec
+from workbench.engine.logprobs import prompt_logprob_rows
 from workbench.engine.memory import Memory
 from workbench.engine.request import Req, ReqStatus
 
@@ -45,8 +46,10 @@ class ScheduleBatch:
         return sum(c.length for c in self.prefill) + len(self.decode)
 
     def rows(self) -> list[RowSpec]:
+        # A scoring request (max_new_tokens=0) samples nothing; prompt logprobs need every prompt row.
         rows = [RowSpec(c.req.req_id, c.req.req_pool_idx, c.start, c.req.fill_ids[c.start:c.start + c.length],
-                        1 if c.last_chunk else 0) for c in self.prefill]
+                        1 if c.last_chunk and c.req.params.max_new_tokens > 0 else 0,
+                        prompt_logprob_rows(c.req, c.start, c.length)) for c in self.prefill]
         rows += [RowSpec(r.req_id, r.req_pool_idx, r.kv_len, [r.fill_ids[-1]], 1) for r in self.decode]
         return rows
 
@@ -119,6 +122,8 @@ class Scheduler:
         for req in queue:
             if budget <= 0:
                 break
+            if self._held_for_prefix(req):
+                continue
             is_new = req.req_pool_idx is None
             if is_new and not pool.can_allocate():
                 break
@@ -135,6 +140,36 @@ class Scheduler:
             batch.prefill.append(PrefillChunk(req, req.kv_len, chunk, req.kv_len + chunk == req.seq_len))
             budget -= chunk
             reserve += chunk
+
+    # --- n > 1: siblings share the prompt's prefill -------------------------------------------
+
+    @staticmethod
+    def _held_for_prefix(req: Req) -> bool:
+        """A sibling waits while the request whose prompt KV it will copy has not prefilled yet."""
+        src = req.share_prefix_from
+        if src is not None and src.finished:
+            req.share_prefix_from = None  # the source ended before its prefill completed: prefill alone
+        return req.share_prefix_from is not None
+
+    def fork_prefix(self, src: Req, dst: Req) -> torch.Tensor | None:
+        """Give waiting `dst` a copy of `src`'s prompt KV except the last prompt token (which `dst`
+        recomputes to get its own logits) in fresh slots, and move it to running. Returns the new
+        slots, or None (then `dst` prefills by itself) when there is no room or nothing to share."""
+        dst.share_prefix_from = None
+        n = len(src.prompt_ids) - 1
+        pool, alloc = self.memory.req_to_token_pool, self.memory.allocator
+        if (dst not in self.waiting or src.req_pool_idx is None or src.kv_len < n or n < 1
+                or not pool.can_allocate() or alloc.available_size() - len(self.running) - 1 < n):
+            return None
+        slots = alloc.allocate(n)
+        dst.req_pool_idx = pool.allocate()
+        pool.req_to_token[dst.req_pool_idx, :n] = slots.to(pool.req_to_token.device)
+        self.memory.copy_kv(self.kv_slots(src, 0, n), slots)
+        dst.kv_len = dst.cached_prompt_tokens = n
+        self.waiting.remove(dst)
+        self.running.append(dst)
+        dst.status = ReqStatus.RUNNING
+        return slots
 
     # --- release ---------------------------------------------------------------------------
 

@@ -1,0 +1,82 @@
+"""Logprobs: the chosen token's logprob and rank, top alternatives, named ids, and prompt logprobs.
+
+Owns: turning a `[R, V]` log-distribution and the chosen ids into per-row lists
+(`token_logprobs`), and prompt logprobs from the logits of every prompt position
+(`store_prompt_logprobs`: position p's logits score prompt token p + 1; the first prompt token
+has none). Which distribution a row uses is its `logprobs_mode`: `raw` (log-softmax of the model's
+logits) or `processed` (log of the distribution actually sampled from; sampler.py decides).
+Prompt logprobs are always raw. Does not own: sampling, or formatting outputs (postprocess.py).
+
+Rank is 1 + the number of tokens with a strictly higher logprob (ties share the better rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from workbench.engine.request import Req
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Per-row logprob facts for one sampled (or scored) token each."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]]  # the k best (id, logprob), k = the batch's largest request
+    token_ids: list[dict[int, float]]  # the logprobs of each row's `token_ids_logprob`
+
+
+def token_logprobs(lp: torch.Tensor, chosen: torch.Tensor, top_k: int,
+                   token_ids: Sequence[Sequence[int]] | None = None) -> TokenLogprobs:
+    """`lp` `[R, V]` log-probabilities, `chosen` `[R]` ids -> logprob, rank, top-k and named ids."""
+    rows = lp.shape[0]
+    picked = lp.gather(1, chosen.view(-1, 1).to(lp.device))[:, 0]  # [R]
+    ranks = (lp > picked[:, None]).sum(dim=-1) + 1
+    tops: list[list[tuple[int, float]]] = [[] for _ in range(rows)]
+    if top_k > 0:
+        vals, ids = lp.topk(min(top_k, lp.shape[-1]), dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    named: list[dict[int, float]] = [{} for _ in range(rows)]
+    if token_ids and any(token_ids):
+        for r, ids_r in enumerate(token_ids):
+            if ids_r:
+                vals = lp[r, torch.tensor(list(ids_r), device=lp.device)].tolist()
+                named[r] = dict(zip((int(t) for t in ids_r), vals))
+    return TokenLogprobs(picked.tolist(), ranks.tolist(), tops, named)
+
+
+def store_prompt_logprobs(reqs: Sequence[Req], rows: Sequence[tuple[int, int]], logits: torch.Tensor) -> None:
+    """Record prompt logprobs from the logits of prompt positions.
+
+    `rows[j] = (batch_index, position)`: `logits[j]` `[V]` are the model's logits at `position` of
+    `reqs[batch_index]`, which score prompt token `position + 1`. Positions already recorded (a
+    request recomputed after preemption) are skipped, so each prompt token is stored once, in order.
+    """
+    if not rows:
+        return
+    targets = torch.tensor([reqs[b].prompt_ids[p + 1] for b, p in rows], device=logits.device)
+    k = max(reqs[b].params.top_logprobs for b, _ in rows)
+    facts = token_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, k)
+    for j, (b, pos) in enumerate(rows):
+        req = reqs[b]
+        if not req.prompt_logprobs:
+            req.prompt_logprobs.append(None)  # the first prompt token has no logprob
+            req.prompt_ranks.append(None)
+            req.prompt_top_logprobs.append([])
+        if pos + 1 != len(req.prompt_logprobs):
+            continue
+        req.prompt_logprobs.append(facts.logprobs[j])
+        req.prompt_ranks.append(facts.ranks[j])
+        req.prompt_top_logprobs.append(facts.top[j][: req.params.top_logprobs])
+
+
+def prompt_logprob_rows(req: Req, start: int, length: int) -> int:
+    """How many leading positions of a prefill chunk `[start, start + length)` still need logits
+    for prompt logprobs (positions up to the second-to-last prompt token; 0 when not requested)."""
+    if not req.params.prompt_logprobs or len(req.prompt_logprobs) >= len(req.prompt_ids):
+        return 0
+    return max(0, min(start + length, len(req.prompt_ids) - 1) - start)
