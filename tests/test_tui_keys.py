@@ -149,7 +149,7 @@ async def test_filter_by_prompt_text_limits_the_timeline(example_trace: Path) ->
         await settle(pilot)
         assert "no request matches 'nothing like this'" in str(screen.query_one("#status").render())
         assert len(screen.timeline.visible_rows()) == 4  # the old filter stays
-        await pilot.press("f", "ctrl+u", "enter")  # clear the input: an empty filter shows every step
+        await pilot.press("f", "enter")  # an empty filter shows every step
         await settle(pilot)
         assert len(screen.timeline.visible_rows()) == 6
 
@@ -210,3 +210,19 @@ async def test_clicking_a_step_selects_it(example_trace: Path) -> None:
         await pilot.click("#timeline", offset=(5, 4))  # border, header, then rows 1, 2, 3
         await settle(pilot)
         assert screen.sel.step == 3
+
+
+async def test_text_typed_right_behind_slash_is_not_lost(example_trace: Path) -> None:
+    """A fast typist (or a paste) sends `/the rocks⏎` in one burst, before the command line has focus."""
+    from textual import events
+
+    async with tui(example_trace) as (pilot, screen):
+        burst = [("slash", "/")] + [(c if c != " " else "space", c) for c in "the rocks"] + [("enter", "\r")]
+        for key, char in burst:
+            pilot.app.post_message(events.Key(key, char))
+        await settle(pilot)
+        await settle(pilot)
+        assert screen.query_text == "the rocks" and (screen.sel.step, screen.sel.req_id) == (3, "req-1")
+        await pilot.press("slash", "up", "enter")  # ↑ recalls the last search: the next match wraps to it again
+        await settle(pilot)
+        assert screen.query_text == "the rocks"

@@ -6,6 +6,8 @@ in screens/ and widgets/. Does not import the engine.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from textual.app import App
 from textual.screen import Screen
 
@@ -17,7 +19,7 @@ from tui.screens.workers import Options
 class WorkbenchApp(App[None]):
     """Step through a `.wbtrace` file, or follow a server (`live_url`)."""
 
-    CSS_PATH = "tui.tcss"
+    CSS_PATH = Path(__file__).with_name("tui.tcss")  # absolute: subclasses elsewhere find it too
     TITLE = "workbench"
     ENABLE_COMMAND_PALETTE = False
 

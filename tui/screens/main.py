@@ -8,7 +8,7 @@ loading (screens/workers.py) or drawing any pane (tui/widgets).
 
 from __future__ import annotations
 
-from textual import on
+from textual import events, on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -32,6 +32,7 @@ from tui.widgets.timeline import StepTimeline
 from tui.widgets.tokens import TokensPane
 
 PAGE = 10
+PROMPT_KEYS = {"slash": "search", "f": "filter", "colon": "jump"}
 
 
 class MainScreen(ScreenWorkers):
@@ -231,6 +232,26 @@ class MainScreen(ScreenWorkers):
         step = self.sel.step if self.nav.index(self.sel.step) is not None else self.nav.nearest(self.sel.step or 0)
         self.sel = Selection(self.sel.step, keep, self.sel.position)
         self.select(step, keep, self.sel.position if keep else None)
+
+    def on_key(self, event: events.Key) -> None:
+        """Open the command line as the key arrives, and hand it the keys typed right behind.
+
+        Bindings run after every queued key has gone to the old focus, so `/the rocks` typed fast
+        would lose its text; `/`, `f` and `:` are handled here instead (their BINDINGS entries stay
+        for the footer and help).
+        """
+        line = self.query_one(CommandLine)
+        if line.has_class("open"):
+            if not line.saw(event):  # it went to the old focus: replay it into the line, in order
+                event.stop()
+                event.prevent_default()
+                line.type_ahead(event)
+            return
+        mode = PROMPT_KEYS.get(event.key)
+        if mode is not None:
+            event.stop()
+            event.prevent_default()
+            line.open(mode)
 
     @on(StepTimeline.Picked)
     def _picked(self, event: StepTimeline.Picked) -> None:
