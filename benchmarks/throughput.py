@@ -57,6 +57,7 @@ def bench_hf_static(folder, tok, prompts, new: int, device: str, dtype: torch.dt
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     tok.padding_side = "left"
+    tok.pad_token = tok.pad_token or tok.eos_token
     texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     with torch.inference_mode():

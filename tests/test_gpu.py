@@ -27,17 +27,24 @@ def test_cuda_fp32_greedy_matches_transformers(cuda_fp32):
     engine = Engine(cuda_fp32, trace_level="off")
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=NEW))
     hf = AutoModelForCausalLM.from_pretrained(cuda_fp32.folder, dtype=torch.float32).to("cuda").eval()
-    matches = 0
+    matches, report = 0, []
     for prompt, out in zip(PROMPTS, outs):
         ids = engine.tokenize(prompt)
         with torch.inference_mode():
             ref = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=NEW, do_sample=False,
                               attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"),
                               pad_token_id=hf.config.eos_token_id)[0, len(ids):].tolist()
-        matches += int(ref == out.token_ids)
-    print(f"cuda fp32 greedy exact matches: {matches}/{len(PROMPTS)}")
-    assert matches >= len(PROMPTS) - 1  # TF32/kernel choice can flip one near tie on GPU
-
+            if ref == out.token_ids:
+                matches += 1
+                continue
+            pos = next(i for i, (a, b) in enumerate(zip(ref, out.token_ids)) if a != b)
+            logits = hf(torch.tensor([ids + ref[:pos]], device="cuda")).logits[0, -1].float()
+            gap = float(logits[ref[pos]] - logits[out.token_ids[pos]])
+            report.append((len(ids), pos, gap))
+    print(f"cuda fp32 greedy exact matches: {matches}/{len(PROMPTS)}; divergences (prompt len, position, "
+          f"transformers' logit gap between the two tokens): {report}")
+    # Where the GPU kernels' rounding differs, greedy may only flip between near-tied tokens.
+    assert all(gap < 0.05 for _, _, gap in report), report
 
 def test_cuda_bf16_chunked_preempted_speculative():
     from workbench.models import load_model

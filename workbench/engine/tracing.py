@@ -102,28 +102,28 @@ def emit_sampling(engine: Engine, reqs: list[Req], logits: torch.Tensor, sample:
     """Logits summary, sampling stages and the chosen token of every sampled row."""
     k = engine.trace_topk
     step, t = engine.step_no, _now()
-    top_vals, top_ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
     lp = sample.raw_logprobs
-    entropy = -(lp.exp() * lp).nan_to_num().sum(-1)
+    # One device-to-host transfer per quantity for the whole batch (a per-row .tolist() syncs a GPU each time).
+    top_vals, top_ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    lp_vals, lp_ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
+    top_vals, top_ids, lp_vals, lp_ids = (x.cpu().tolist() for x in (top_vals, top_ids, lp_vals, lp_ids))
+    entropy = (-(lp.exp() * lp).nan_to_num().sum(-1)).cpu().tolist()
+    full = logits.float().cpu().numpy() if engine.tracer.full else None
     for i, req in enumerate(reqs):
         position = len(req.output_ids)  # the token these logits choose (appended after this call)
         tensor_name = None
-        if engine.tracer.full:
+        if full is not None:
             tensor_name = f"logits/{step}/{req.req_id}/{position}"
-            engine.tracer.tensor(tensor_name, step, req.req_id, logits[i].float().cpu().numpy())
-        engine.tracer.emit(ev.Logits(step=step, req_id=req.req_id, t=t, position=position,
-                                     top_ids=top_ids[i].tolist(), top_logits=top_vals[i].tolist(),
-                                     entropy=float(entropy[i]), tensor=tensor_name))
+            engine.tracer.tensor(tensor_name, step, req.req_id, full[i])
+        engine.tracer.emit(ev.Logits(step=step, req_id=req.req_id, t=t, position=position, top_ids=top_ids[i],
+                                     top_logits=top_vals[i], entropy=entropy[i], tensor=tensor_name))
         if sample.stages is not None:
             engine.tracer.emit(ev.SamplingStages(
                 step=step, req_id=req.req_id, t=t, position=position, stages=sample.stages[i],
                 chosen=sample.next_token_ids[i], greedy=req.params.temperature == 0, draw=sample.draws[i],
                 seeded=req.generator is not None))
         tok = sample.next_token_ids[i]
-        tops = [[tid, lpv, engine.outputs.token_text(tid)] for tid, lpv in sample.top_logprobs[i][:k]]
-        if not tops:
-            vals, ids = lp[i].topk(min(5, lp.shape[-1]))
-            tops = [[tid, v, engine.outputs.token_text(tid)] for tid, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+        tops = [[tid, v, engine.outputs.token_text(tid)] for tid, v in zip(lp_ids[i], lp_vals[i])]
         engine.tracer.emit(ev.TokenChosen(
             step=step, req_id=req.req_id, t=t, position=position, token_id=tok, text=engine.outputs.token_text(tok),
             logprob=_finite(sample.logprobs[i]), rank=sample.ranks[i], top_logprobs=tops))
