@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 import json
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import plotly.graph_objects as go
@@ -32,7 +32,13 @@ def show_token(text: str) -> str:
     return text.replace(" ", "␣").replace("\n", "⏎").replace("\t", "⇥") if text else "∅"
 
 
-def token_label(token_id: int, vocab: dict[int, str]) -> str:
+Vocab = Mapping[int, str] | Callable[[int], str]  # token id -> text: a table, or e.g. a tokenizer's decode
+
+
+def token_label(token_id: int, vocab: Vocab) -> str:
+    """A token's visible text from `vocab` (a mapping or a function), or `#id` when it is unknown."""
+    if callable(vocab):
+        return show_token(vocab(token_id))
     return show_token(vocab[token_id]) if token_id in vocab else f"#{token_id}"
 
 
@@ -138,7 +144,7 @@ def stage_probs(stage: dict[str, Any], ids: Sequence[int]) -> list[float]:
     return [float(probs.get(tid, 0.0)) for tid in ids]
 
 
-def stages_figure(stages: SamplingStages | None, vocab: dict[int, str]) -> go.Figure:
+def stages_figure(stages: SamplingStages | None, vocab: Vocab) -> go.Figure:
     """The sampling-stage waterfall for one token: the top tokens' probability after each stage, and
     how many tokens (and how much mass) each stage kept."""
     if stages is None or not stages.stages:
@@ -194,7 +200,7 @@ def spec_cells(verify: SpecVerify) -> list[float]:
     return cells
 
 
-def spec_figure(verifies: Sequence[SpecVerify], step: int | None, vocab: dict[int, str]) -> go.Figure:
+def spec_figure(verifies: Sequence[SpecVerify], step: int | None, vocab: Vocab) -> go.Figure:
     """One row per verification, one cell per draft position: accepted, rejected, or discarded."""
     if not verifies:
         return _note(_figure("speculative decoding", 200), "no speculative steps for this request")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import plotly.graph_objects as go
 
-from workbench.notebook.figures import HEIGHT, TEMPLATE, shown_stages, stage_probs, token_label
+from workbench.notebook.figures import HEIGHT, TEMPLATE, Vocab, shown_stages, stage_probs, token_label
 from workbench.trace.events import SamplingStages, SpecVerify
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ def final_distribution(stages: SamplingStages) -> dict[int, float]:
     return {int(t): float(p) for t, p in zip(last.get("top_ids", []), last.get("top_probs", [])) if p > 0}
 
 
-def stage_table(stages: SamplingStages, vocab: Mapping[int, str], top: int = 10) -> pd.DataFrame:
+def stage_table(stages: SamplingStages, vocab: Vocab, top: int = 10) -> pd.DataFrame:
     """The top tokens' probability after each applied stage (one column per stage), with the kept
     count and mass of each stage as the last two rows."""
     import pandas as pd
@@ -52,7 +52,7 @@ def stage_table(stages: SamplingStages, vocab: Mapping[int, str], top: int = 10)
     return frame
 
 
-def compare_figure(by_label: Mapping[str, SamplingStages], vocab: Mapping[int, str], top: int = 10) -> go.Figure:
+def compare_figure(by_label: Mapping[str, SamplingStages], vocab: Vocab, top: int = 10) -> go.Figure:
     """The final distribution of one position under several settings, side by side (one bar group
     per token, one colour per setting); tokens are the first setting's top ones."""
     if not by_label:
@@ -103,7 +103,7 @@ def acceptance_figure(table: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def rejections(verifies: Iterable[SpecVerify], vocab: Mapping[int, str]) -> pd.DataFrame:
+def rejections(verifies: Iterable[SpecVerify], vocab: Vocab) -> pd.DataFrame:
     """Every rejected draft: where, what was drafted, what the target wanted instead, and p, q, u.
 
     Greedy verification rejects a draft the target's argmax disagrees with; sampled verification
