@@ -60,8 +60,8 @@ def _stats(state: ServerState, sub: Subscriber) -> dict[str, object]:
 
 async def _event_frames(state: ServerState, sub: Subscriber) -> AsyncIterator[bytes]:
     try:
-        yield sse_frame({"kind": "server.hello", "model": state.model_name, "engine": state.hub.meta.get("engine"),
-                         "trace_level": state.engine.tracer.level, **_stats(state, sub)})
+        yield sse_frame({**_stats(state, sub), "kind": "server.hello", "model": state.model_name,
+                         "engine": state.hub.meta.get("engine"), "trace_level": state.engine.tracer.level})
         last = time.monotonic()
         while state.loop.accepting:  # a draining server ends its debug streams so shutdown can finish
             events = await sub.next_batch(timeout=STATS_EVERY)
@@ -96,7 +96,9 @@ async def debug_trace_download(trace_id: str, request: Request) -> Response:
     filename = f"{entry.id}.wbtrace"
     if not entry.active:
         return FileResponse(entry.path, media_type="application/vnd.sqlite3", filename=filename)
-    tmp = await asyncio.to_thread(snapshot, entry.path)  # the live file: a consistent copy, not torn pages
+    # the live file: flush what the engine has emitted so far, then copy it consistently (no torn pages)
+    await asyncio.to_thread(state.trace_writer.flush)
+    tmp = await asyncio.to_thread(snapshot, entry.path)
     return FileResponse(tmp, media_type="application/vnd.sqlite3", filename=filename,
                         background=BackgroundTask(os.unlink, tmp))
 
