@@ -288,8 +288,9 @@ class Engine:
             self.scheduler.add(req)
             if self.tracer.on:
                 self.tracer.emit(tracing.request_added_event(self, req))
-                self.tracer.emit(tracing.stamp_event(self, req.req_id, "arrival", {}, req.timing.arrival))
-                self.tracer.emit(tracing.stamp_event(self, req.req_id, "tokenized", {}, req.timing.tokenized))
+                # the step the request arrives in, like request.added (the engine has not counted it yet)
+                for stage, t in (("arrival", req.timing.arrival), ("tokenized", req.timing.tokenized)):
+                    self.tracer.emit(tracing.stamp_event(self, req.req_id, stage, {}, t, step=req.arrival_step))
         results = []
         while not self._aborts.empty():
             rid, reason = self._aborts.get()

@@ -152,8 +152,10 @@ def kv_event(engine: Engine, req_id: str | None, op: str, slots: list[int], reas
                       kv_used=alloc.used() - (n if op in ("free", "rollback") else 0), kv_total=alloc.size)
 
 
-def stamp_event(engine: Engine, req_id: str, stage: str, detail: dict[str, Any], t: float | None = None) -> ev.Stamp:
-    return ev.Stamp(step=engine.step_no, req_id=req_id, t=t if t is not None else _now(), stage=stage, detail=detail)
+def stamp_event(engine: Engine, req_id: str, stage: str, detail: dict[str, Any], t: float | None = None,
+                step: int | None = None) -> ev.Stamp:
+    return ev.Stamp(step=engine.step_no if step is None else step, req_id=req_id, t=t if t is not None else _now(),
+                    stage=stage, detail=detail)
 
 
 def _finite(x: float) -> float | None:
