@@ -79,6 +79,7 @@ function stepRow(step) {
 
 function onForwardBatch(ev) {
   const p = ev.payload, row = stepRow(ev.step);
+  $("g-step").textContent = ev.step;
   row.querySelector(".mode").innerHTML = `<span class="mode-${esc(p.forward_mode)}">${esc(p.forward_mode)}</span>`;
   row.querySelector(".ntok").textContent = p.input_ids.length;
   row.querySelector(".batch").innerHTML = p.req_ids.map((id, i) => {
