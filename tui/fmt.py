@@ -119,3 +119,25 @@ def short_json(value: object, limit: int = 60) -> str:
     else:
         text = json.dumps(value, ensure_ascii=False, default=str)
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def grid(headers: Sequence[str], rows: Sequence[Sequence[str]], caps: dict[int, int] | None = None,
+         row_styles: Sequence[str | None] | None = None, gap: int = 1) -> Text:
+    """A plain column layout as one Text: a bold header line, then one line per row.
+
+    Much cheaper than a rich Table for large batches (no measuring pass). `caps[i]` limits column
+    i's width; longer cells end in "…".
+    """
+    caps = caps or {}
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], min(len(cell), caps.get(i, 1 << 30)))
+    sep = " " * gap
+    out = Text(sep.join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(), style="bold")
+    for n, row in enumerate(rows):
+        cells = [c if len(c) <= w else c[: w - 1] + "…" for c, w in zip(row, widths)]
+        out.append("\n")
+        out.append(sep.join(c.ljust(w) for c, w in zip(cells, widths)).rstrip(),
+                   style=(row_styles[n] if row_styles else None) or "")
+    return out

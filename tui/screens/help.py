@@ -15,7 +15,7 @@ from textual.widgets import Static
 
 EXTRA = [("tab / shift+tab", "Move focus between panes (arrows then scroll the focused pane)"),
          ("escape", "Close this help, the command line, or clear the search mark"),
-         ("mouse", "Click a step; drag to select text, then ctrl+c copies it")]
+         ("mouse", "Click a step; the wheel scrolls the pane under the pointer")]
 
 
 def help_table(bindings: list[Binding]) -> Table:

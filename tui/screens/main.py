@@ -148,7 +148,7 @@ class MainScreen(ScreenWorkers):
             parts.append(self.note)
         if self.server_note:
             parts.append(self.server_note)
-        self.query_one("#status", Static).update(" │ ".join(parts))
+        self.query_one("#status", Static).update(" │ ".join(parts), layout=False)  # one fixed line
 
     # --- worker results --------------------------------------------------------------------------
 

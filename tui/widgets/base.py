@@ -1,9 +1,11 @@
 """The pane base class and the context every pane draws from.
 
 Owns: `PaneContext` (the loaded step, the selected request's output, the selection, the vocabulary
-and display options) and `Pane` (a scrolling, focusable box whose body is redrawn from a context;
-`text()` gives what it shows as plain text, for tests and for copying). Does not own any pane's
-content: each subclass implements `draw`.
+and display options) and `Pane`: a bordered, focusable Line-API scroll view. A pane renders its
+content to lines once per update, at its own width (or the content's natural width for tables,
+scrolled sideways), and then only copies the lines on screen; no page-wide layout pass happens
+when a step changes. `text()` gives what it shows as plain text, for tests and for copying. Does
+not own any pane's content: each subclass implements `draw`.
 """
 
 from __future__ import annotations
@@ -12,15 +14,19 @@ import io
 from dataclasses import dataclass
 
 from rich.console import Console, RenderableType
+from rich.measure import Measurement
+from rich.segment import Segment
 from rich.text import Text
-from textual.app import ComposeResult
-from textual.containers import VerticalScroll
-from textual.widgets import Static
+from textual.geometry import Size
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
 
 from tui.nav import Selection
 from tui.search import SearchHit
 from tui.stepview import ReqStep, RequestData, StepView
 from tui.vocab import Vocab
+
+MAX_WIDE = 240  # widest a table is drawn before it squeezes (then scroll sideways to read it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,18 +45,18 @@ class PaneContext:
         return self.view.req(self.selection.req_id) if self.view is not None else None
 
 
-class Pane(VerticalScroll, can_focus=True):
-    """A bordered, scrolling pane; subclasses set TITLE and implement `draw`."""
+class Pane(ScrollView, can_focus=True):
+    """A bordered, scrolling pane; subclasses set TITLE (and WIDE for tables) and implement `draw`."""
 
     TITLE = "pane"
+    WIDE = False  # True: draw at the content's natural width, not wrapped to the pane
 
     def __init__(self, *, id: str | None = None) -> None:  # noqa: A002 - Textual's name
         super().__init__(id=id)
         self._renderable: RenderableType = Text("")
+        self._strips: list[Strip] = []
+        self._drawn_width = 0
         self.border_title = self.TITLE
-
-    def compose(self) -> ComposeResult:
-        yield Static(self._renderable, classes="pane-body")
 
     def draw(self, ctx: PaneContext) -> RenderableType:
         raise NotImplementedError
@@ -62,8 +68,40 @@ class Pane(VerticalScroll, can_focus=True):
         """Redraw from `ctx` (UI thread only)."""
         self._renderable = self.draw(ctx)
         self.border_subtitle = self.subtitle(ctx)
-        if self.is_mounted:
-            self.query_one(".pane-body", Static).update(self._renderable)
+        self._render_strips()
+
+    def _render_strips(self) -> None:
+        if not self.is_mounted:
+            return
+        width = max(self.scrollable_content_region.width, 20)
+        console = self.app.console
+        options = console.options.update(width=width, height=None, highlight=False)
+        if self.WIDE:
+            natural = Measurement.get(console, options.update_width(MAX_WIDE), self._renderable).maximum
+            options = options.update_width(max(width, min(natural, MAX_WIDE)))
+        lines = console.render_lines(self._renderable, options, style=self.rich_style, pad=False)
+        old_height = len(self._strips)
+        self._strips = [Strip(Segment.simplify(line)) for line in lines]
+        while self._strips and not self._strips[-1].text.strip():
+            self._strips.pop()  # Rich ends a Group with a blank line
+        self._drawn_width = width
+        self.virtual_size = Size(max((s.cell_length for s in self._strips), default=0), len(self._strips))
+        self.refresh(layout=old_height != len(self._strips) and self.styles.height.is_auto)
+
+    def on_resize(self) -> None:
+        if self.scrollable_content_region.width != self._drawn_width:
+            self._render_strips()
+
+    def on_mount(self) -> None:
+        self._render_strips()
+
+    def render_line(self, y: int) -> Strip:
+        scroll_x, scroll_y = self.scroll_offset
+        width = self.scrollable_content_region.width
+        row = scroll_y + y
+        if row >= len(self._strips):
+            return Strip.blank(width, self.rich_style)
+        return self._strips[row].crop_extend(scroll_x, scroll_x + width, self.rich_style)
 
     def text(self, width: int | None = None) -> str:
         """What the pane shows, as plain text at its current width (or `width`)."""

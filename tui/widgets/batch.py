@@ -9,10 +9,9 @@ operations. Does not own loading the step (the screen's workers do).
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
-from tui.fmt import id_ranges, ids_list, ms, quote, short_json
+from tui.fmt import grid, id_ranges, ids_list, ms, quote, short_json
 from tui.stepview import StepView
 from tui.vocab import Vocab
 from tui.widgets.base import Pane, PaneContext
@@ -61,25 +60,22 @@ def batch_header(fb: ForwardBatchBuilt, done: ForwardDone | None, show_times: bo
 
 
 _COLUMNS = ("req", "pool", "prefix", "extend", "seq_len", "positions", "cache_loc", "input_ids", "text")
-_MAX_WIDTH = {"input_ids": 26, "text": 34, "positions": 12, "cache_loc": 12}
+_CAPS = {7: 26, 8: 34}  # input_ids, text
 
 
-def batch_table(fb: ForwardBatchBuilt, vocab: Vocab, selected: str | None) -> Table:
+def batch_table(fb: ForwardBatchBuilt, vocab: Vocab, selected: str | None) -> Text:
     """One row per request: its slice of every per-token and per-request field."""
-    table = Table(box=None, pad_edge=False, padding=(0, 1), header_style="bold", expand=False)
-    for name in _COLUMNS:
-        table.add_column(name, no_wrap=True, overflow="ellipsis", min_width=len(name),
-                         max_width=_MAX_WIDTH.get(name))
+    rows, styles = [], []
     for i, (start, length) in enumerate(slices(fb)):
         rid = fb.req_ids[i] if i < len(fb.req_ids) else f"#{i}"
         ids = fb.input_ids[start:start + length]
         text = vocab.decode(ids)
-        table.add_row(
+        rows.append([
             rid, _get(fb.req_pool_indices, i), _get(fb.extend_prefix_lens, i), str(length), _get(fb.seq_lens, i),
             id_ranges(fb.positions[start:start + length], 2), id_ranges(fb.out_cache_loc[start:start + length], 2),
-            ids_list(ids, 3), quote(text, 34) if text is not None else "?",
-            style="reverse" if rid == selected else None)
-    return table
+            ids_list(ids, 3), quote(text, 34) if text is not None else "?"])
+        styles.append("reverse" if rid == selected else None)
+    return grid(_COLUMNS, rows, _CAPS, styles)
 
 
 def sampling_text(fb: ForwardBatchBuilt) -> Text | None:
@@ -129,6 +125,7 @@ def draw_batch(ctx: PaneContext) -> RenderableType:
 
 class BatchPane(Pane):
     TITLE = "ForwardBatch"
+    WIDE = True
 
     def draw(self, ctx: PaneContext) -> RenderableType:
         return draw_batch(ctx)

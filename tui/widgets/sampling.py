@@ -86,6 +86,7 @@ def draw_sampling(ctx: PaneContext) -> RenderableType:
 
 class SamplingPane(Pane):
     TITLE = "Logits & sampling"
+    WIDE = True
 
     def draw(self, ctx: PaneContext) -> RenderableType:
         return draw_sampling(ctx)

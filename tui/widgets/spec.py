@@ -105,6 +105,7 @@ def draw_spec(ctx: PaneContext) -> RenderableType:
 
 class SpecPane(Pane):
     TITLE = "Speculative"
+    WIDE = True
 
     def draw(self, ctx: PaneContext) -> RenderableType:
         return draw_spec(ctx)
