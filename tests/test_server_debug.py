@@ -153,3 +153,17 @@ def test_engine_direct_hub_wiring():
     assert engine.memory_sink is None and engine.tracer.on
     engine.generate(["x"], SamplingParams(max_new_tokens=2, temperature=0))
     engine.close()
+
+
+def test_stopping_the_server_finishes_its_trace_file(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--model", MODEL, "--trace-dir", str(tmp_path), "--device", "cpu"])
+    _, app = build_server(args)
+    with BackgroundServer(app) as srv:
+        done = _complete(srv.url, prompt="Kept", max_tokens=3)
+    (path,) = tmp_path.glob("*.wbtrace")
+    assert not list(tmp_path.glob("*-wal")), "the trace was left open"
+    with open_trace(path) as trace:
+        assert trace.finished
+        assert [e.req_id for e in trace.events(kind="request.finished")] == [done["id"]]

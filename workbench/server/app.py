@@ -72,8 +72,11 @@ class APIKeyMiddleware:
 
 def create_app(engine: Any, *, model_name: str | None = None, hub: EventHub | None = None,
                trace_dir: str | Path | None = None, trace_writer: Any = None, api_key: str | None = None,
-               max_body_bytes: int = 4 << 20, default_max_tokens: int = 1024) -> FastAPI:
+               max_body_bytes: int = 4 << 20, default_max_tokens: int = 1024, close_engine: bool = False) -> FastAPI:
     """An OpenAI-compatible app over `engine`; the engine thread runs while the app is served.
+
+    With `close_engine`, shutting the app down also closes the engine (its trace files are
+    finished), for a caller that hands the engine over, as `workbench serve` does.
 
     Build the engine with `trace_sinks=[hub, ...]` so a long-running server keeps no events in
     memory; an engine with a `MemorySink` works but keeps every event (logged as a warning).
@@ -103,6 +106,8 @@ def create_app(engine: Any, *, model_name: str | None = None, hub: EventHub | No
         finally:
             await state.loop.stop()
             tracer.remove_sink(metrics.spec)
+            if close_engine:
+                engine.close()
 
     app = FastAPI(title="LLM Engine Workbench", version="0.1.0", lifespan=lifespan)
     app.state.workbench = state

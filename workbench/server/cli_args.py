@@ -70,7 +70,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
                     max_running=args.max_running, kv_tokens=args.kv_tokens)
     app = create_app(engine, model_name=args.served_model_name or args.model, hub=hub, trace_dir=trace_dir,
                      trace_writer=writer, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     default_max_tokens=args.default_max_tokens)
+                     default_max_tokens=args.default_max_tokens, close_engine=True)
     return engine, app
 
 
@@ -91,8 +91,8 @@ def run_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.graceful_timeout)
     try:
-        DrainingServer(config).run()
-    finally:
+        DrainingServer(config).run()  # on SIGTERM uvicorn re-raises the signal after shutdown: the
+    finally:                          # app's lifespan closes the engine (and its trace) before that
         engine.close()
     return 0
 
