@@ -198,3 +198,28 @@ def test_disconnect_mid_stream_aborts_and_frees_slots_within_one_step(server):
     while not _kv_full(server.engine) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert _kv_full(server.engine)
+
+
+def test_token_id_prompts_echo_and_usage_chunk(server, client):
+    ids = server.engine.tokenize("The quick brown fox")
+    by_text = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    echoed = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text == "The quick brown fox" + by_text.choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == by_ids.usage.completion_tokens
+
+
+def test_logit_bias_and_engine_parameters_reach_the_sampler(server, client):
+    token_id = 1000
+    text = server.engine.tokenizer.decode([token_id])
+    forced = client.completions.create(model=MODEL, prompt="Anything", max_tokens=3, temperature=0,
+                                       logit_bias={str(token_id): 100}, logprobs=0)
+    assert forced.choices[0].logprobs.tokens == [text] * 3
+    greedy = client.completions.create(model=MODEL, prompt="Sample me", max_tokens=10, temperature=0).choices[0]
+    top1 = client.completions.create(model=MODEL, prompt="Sample me", max_tokens=10, temperature=1.5, seed=3,
+                                     extra_body={"top_k": 1}).choices[0]
+    assert top1.text == greedy.text  # top_k=1 leaves only the argmax, whatever the temperature
