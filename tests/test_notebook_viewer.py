@@ -143,3 +143,23 @@ def test_spec_strip_greys_out_drafts_after_the_first_rejection() -> None:
     assert spec_cells(verify) == [ACCEPT, REJECT, DISCARD, DISCARD]
     fig = spec_figure([verify], 7, {1: "a", 2: "b"})
     assert list(fig.data[0].text[0]) == ["a", "b", "#3", "#4"] and "1/4 accepted" in fig.layout.title.text
+
+
+def test_refresh_picks_up_a_trace_still_being_written(tmp_path: Path) -> None:
+    from tests.test_notebook_data import scenario_events
+    from workbench.trace.store import TraceWriter
+
+    events = scenario_events()
+    with TraceWriter(tmp_path / "live.wbtrace") as writer:
+        for event in (e for e in events if e.step <= 2):
+            writer.write(event)
+        writer.flush()
+        viewer = TraceViewer(str(tmp_path / "live.wbtrace"), step=2)
+        assert viewer.slider.max == 2 and list(_trace(viewer.figures["tokens"], "tokens").x) == [0, 1]
+        for event in (e for e in events if e.step > 2):
+            writer.write(event)
+        writer.flush()
+        viewer.refresh()
+        assert viewer.slider.max == 5 and viewer.step == 2
+        assert list(_trace(viewer.figures["tokens"], "tokens").x) == [0, 1, 2, 3]
+        viewer.source.trace.close()

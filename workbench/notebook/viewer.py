@@ -125,6 +125,19 @@ class TraceViewer:
         self._sync_widgets()
         self._render()
 
+    def refresh(self) -> None:
+        """Re-read the source (picks up a trace file that is still being written) and redraw."""
+        reload = getattr(self.source, "refresh", None)
+        if reload is not None:
+            reload()
+        ids = self.source.request_ids()
+        if self.req_id is None and ids:
+            self.req_id = ids[0]
+        self._load_request()
+        self.step = self._clamp(self.step)
+        self._sync_widgets()
+        self._render()
+
     def _load_request(self) -> None:
         self._request = self.source.request(self.req_id) if self.req_id is not None else None
 
