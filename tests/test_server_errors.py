@@ -133,6 +133,7 @@ CASES = [
     ("unknown trace id", "GET", "/debug/traces/nope", None, 404, "trace_id", "trace_not_found"),
     ("unknown route", "GET", "/v2/nothing", None, 404, None, None),
     ("unknown event kind", "GET", "/debug/events?kind=bogus", None, 400, "kind", None),
+    ("event buffer of zero (FastAPI's 422, remapped)", "GET", "/debug/events?buffer=0", None, 400, "buffer", None),
 ]
 
 

@@ -108,7 +108,9 @@ def _range_text(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str | No
 
 def validation_message(err: dict[str, Any], model: type[BaseModel] | None = None) -> tuple[str, str | None]:
     """(message, param) for one pydantic error dict."""
-    loc = tuple(p for p in err.get("loc", ()) if p != "body")
+    loc = tuple(err.get("loc", ()))
+    if loc and loc[0] in ("body", "query", "path", "header"):  # FastAPI's location prefix is not a parameter
+        loc = loc[1:]
     param, kind, value = param_path(loc), err.get("type", ""), err.get("input")
     ctx = err.get("ctx") or {}
     if kind == "json_invalid":
