@@ -139,9 +139,11 @@ def main() -> int:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+    machine = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+               "load_avg_1m_at_end": round(os.getloadavg()[0], 2)}  # a shared machine's load skews latency
     report = {"model": args.model, "new_tokens": args.new, "requests_per_client": args.requests_per_client,
-              "trace_level": args.trace_level, "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                                           "platform": platform.platform()}, "levels": rows}
+              "trace_level": args.trace_level, "machine": machine, "levels": rows}
+    print(f"load average (1 min) at the end: {machine['load_avg_1m_at_end']} on {machine['cpus']} CPUs")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if all(r["failed"] == 0 for r in rows) else 1
