@@ -25,12 +25,20 @@ UNKNOWN_P_STYLE = ("black on #bcbcbc", "black on #a0a0a0")
 BAR_CHARS = " ▏▎▍▌▋▊▉█"
 
 
-def quote(text: str | None, limit: int = 40) -> str:
-    """A token's text as a JSON string literal (spaces visible, newlines escaped), cut to `limit` chars."""
+def quote(text: str | None, limit: int = 40, middle: bool = False) -> str:
+    """A token's text as a JSON string literal (spaces visible, newlines escaped), cut to `limit` chars.
+
+    `middle=True` keeps both ends and cuts the middle (a prompt chunk's end says most about it).
+    """
     if text is None:
         return "?"
     out = json.dumps(text, ensure_ascii=False)
-    return out if len(out) <= limit else out[: limit - 2] + "…\""
+    if len(out) <= limit:
+        return out
+    if middle:
+        head = (limit - 1) // 3
+        return out[:head] + "…" + out[len(out) - (limit - 1 - head):]
+    return out[: limit - 2] + "…\""
 
 
 def visible(text: str) -> str:

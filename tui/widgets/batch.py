@@ -73,7 +73,7 @@ def batch_table(fb: ForwardBatchBuilt, vocab: Vocab, selected: str | None) -> Te
         rows.append([
             rid, _get(fb.req_pool_indices, i), _get(fb.extend_prefix_lens, i), str(length), _get(fb.seq_lens, i),
             id_ranges(fb.positions[start:start + length], 2), id_ranges(fb.out_cache_loc[start:start + length], 2),
-            ids_list(ids, 3), quote(text, 34) if text is not None else "?"])
+            ids_list(ids, 3), quote(text, 34, middle=True) if text is not None else "?"])
         styles.append("reverse" if rid == selected else None)
     return grid(_COLUMNS, rows, _CAPS, styles)
 
