@@ -119,3 +119,25 @@ def test_workbench_tui_rejects_a_file_that_is_not_a_trace(tmp_path: Path) -> Non
     result = subprocess.run([*WORKBENCH.split(), "tui", str(bad)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "notes.wbtrace: not a workbench trace" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_screenshot_option_saves_the_screen_as_svg(example_trace: Path, tmp_path: Path) -> None:
+    from tui import main
+
+    out = tmp_path / "shot.svg"
+    assert main([str(example_trace), "--step", "3", "--request", "req-1", "--screenshot", str(out)]) == 0
+    svg = out.read_text()
+    assert svg.startswith("<svg") and "ForwardBatch" in svg and "reject" in svg
+
+
+def test_bad_arguments_name_the_option(example_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from tui import main
+
+    assert main(["--live", "ftp://host"]) == 2
+    assert "--live must be an http(s) URL" in capsys.readouterr().err
+    assert main([str(example_trace), "--tokenizer", str(tmp_path / "missing")]) == 2
+    assert "--tokenizer: no such file or folder" in capsys.readouterr().err
+    assert main([str(example_trace), "--screenshot", str(tmp_path / "x.png")]) == 2
+    assert "--screenshot must name an .svg file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([])  # neither FILE nor --live: argparse's usage error

@@ -53,6 +53,7 @@ def build_parser(prog: str = "workbench tui") -> argparse.ArgumentParser:
     parser.add_argument("--request", metavar="ID", help="select this request")
     parser.add_argument("--api-key", metavar="KEY", default=os.environ.get("WORKBENCH_API_KEY"),
                         help="the server's API key for --live (default: $WORKBENCH_API_KEY)")
+    parser.add_argument("--screenshot", metavar="OUT.svg", help="save the screen as SVG (headless, 160x48) and exit")
     parser.add_argument("--no-times", action="store_true", help="hide timings (for reproducible screenshots)")
     return parser
 
@@ -64,8 +65,23 @@ def main(argv: Sequence[str] | None = None, prog: str = "workbench tui") -> int:
     if (args.file is None) == (args.live is None):
         parser.error("give a trace FILE or --live URL (exactly one)")
     try:
+        if args.screenshot:
+            return _screenshot(args)
         return run(args.file, live=args.live, step=args.step, request=args.request, tokenizer=args.tokenizer,
                    api_key=args.api_key, show_times=not args.no_times)
     except ValueError as exc:  # TraceError is a ValueError
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _screenshot(args: argparse.Namespace) -> int:
+    from tui.screenshot import screenshot
+    from workbench.trace.reader import open_trace
+
+    if args.file is None:
+        raise ValueError("--screenshot needs a trace FILE")
+    with open_trace(args.file) as source:
+        out = screenshot(source, args.screenshot, step=args.step, request=args.request, tokenizer=args.tokenizer,
+                         show_times=not args.no_times)
+    print(out)
+    return 0
