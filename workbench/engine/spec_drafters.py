@@ -95,6 +95,20 @@ def lookup(ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     return []
 
 
+MAX_TOKEN_ROWS = 16  # catch-ups longer than this run as one extend row
+
+
+def token_rows(req_id: str, pool_idx: int, prefix: int, ids: list[int], sample_rows: int) -> list[RowSpec]:
+    """`ids` after `prefix` cached tokens as one one-token row per position (prefix growing by one).
+
+    The attention function writes every new token's K/V before attending, so position j reading
+    `prefix + j + 1` slots through `req_to_token` sees exactly what an extend row would show it;
+    packed this way a verify batch takes the batched decode attention path instead of one call per
+    request and layer. Needs `prefix > 0` (a decode row has a cached prefix)."""
+    n = len(ids)
+    return [RowSpec(req_id, pool_idx, prefix + j, [tok], int(j >= n - sample_rows)) for j, tok in enumerate(ids)]
+
+
 class _ModelDrafter:
     """Shared drafting loop of the model drafters: one DRAFT_EXTEND forward (catch-up + first
     draft), then one DECODE forward per further draft token, sampling each from the drafter's
@@ -132,10 +146,10 @@ class _ModelDrafter:
         live = list(dists)
         mode = ForwardMode.DRAFT_EXTEND
         while live:
-            rows = [self._row(reqs[i], drafts[i]) for i in live]
-            logits = self._forward(mode, rows)
-            for i, row in zip(live, rows):
-                self._advance(reqs[i], len(row.input_ids))
+            live, rows, fed = self._rows(reqs, drafts, live)
+            logits = self._forward(mode, rows)  # one row per live request, in (reordered) `live` order
+            for i, n in zip(live, fed):
+                self._advance(reqs[i], n)
             tokens, q_tok, q_dist = self._sample(logits, [reqs[i] for i in live], [drafts[i].tokens for i in live])
             for j, i in enumerate(live):
                 drafts[i].tokens.append(tokens[j])
@@ -148,10 +162,22 @@ class _ModelDrafter:
             drafts[i].q_dist = torch.stack(rows)
         return drafts
 
-    def _row(self, req: Req, draft: Draft) -> RowSpec:
-        kv = self._kv_len(req)
-        ids = draft.tokens[-1:] if draft.tokens else req.fill_ids[kv:]
-        return RowSpec(req.req_id, self._pool_idx(req), kv, ids, 1)
+    def _rows(self, reqs: list[Req], drafts: list[Draft], live: list[int]
+              ) -> tuple[list[int], list[RowSpec], list[int]]:
+        """This forward's rows: each live request's unseen fill tokens (the catch-up) or its last
+        draft, sampling the last position. Long catch-ups (or ones without a cached prefix) go
+        first as extend rows, the rest as one-token rows so the batch attends together. Returns the
+        live indices in logits order, the rows, and how many tokens each request feeds."""
+        extend, single = [], []
+        for i in live:
+            req, kv = reqs[i], self._kv_len(reqs[i])
+            ids = drafts[i].tokens[-1:] if drafts[i].tokens else req.fill_ids[kv:]
+            if kv == 0 or len(ids) > MAX_TOKEN_ROWS:
+                extend.append((i, [RowSpec(req.req_id, self._pool_idx(req), kv, ids, 1)], len(ids)))
+            else:
+                single.append((i, token_rows(req.req_id, self._pool_idx(req), kv, ids, 1), len(ids)))
+        ordered = extend + single
+        return [i for i, _, _ in ordered], [r for _, rs, _ in ordered for r in rs], [n for _, _, n in ordered]
 
     def _forward(self, mode: ForwardMode, rows: list[RowSpec]) -> torch.Tensor:
         t0 = time.perf_counter()

@@ -26,7 +26,7 @@ from workbench.engine.output import StepOutput
 from workbench.engine.request import Req
 from workbench.engine.sampler import SamplingBatchInfo
 from workbench.engine.spec import SpecConfig, SpecStats
-from workbench.engine.spec_drafters import Draft, Drafter
+from workbench.engine.spec_drafters import Draft, Drafter, token_rows
 from workbench.engine.spec_verify import (
     AcceptRule,
     VerifyResult,
@@ -126,12 +126,17 @@ class SpecWorker:
         return ks
 
     def _verify_forward(self, spec: list[tuple[Req, Draft]], plain: list[Req]) -> tuple[ForwardBatch, torch.Tensor]:
-        """One target forward over `[last] + drafts` of every drafted request, then the plain decodes."""
+        """One target forward over `[last] + drafts` of every drafted request, then the plain decodes.
+
+        Each verified position is packed as its own one-token row (see `token_rows`), so the whole
+        verify batch takes the batched decode attention path."""
         eng = self.engine
-        rows = [RowSpec(r.req_id, r.req_pool_idx, r.kv_len, [r.fill_ids[-1]] + d.tokens, len(d.tokens) + 1)
-                for r, d in spec]
+        rows, row_reqs = [], []
+        for r, d in spec:
+            rows += token_rows(r.req_id, r.req_pool_idx, r.kv_len, [r.fill_ids[-1]] + d.tokens, len(d.tokens) + 1)
+            row_reqs += [r] * (len(d.tokens) + 1)
         rows += [RowSpec(r.req_id, r.req_pool_idx, r.kv_len, [r.fill_ids[-1]], 1) for r in plain]
-        row_reqs = [r for r, _ in spec] + plain
+        row_reqs += plain
         mode = ForwardMode.TARGET_VERIFY if spec else ForwardMode.DECODE
         fb = build_forward_batch(mode, rows, eng.memory, eng.device)
         if eng.tracer.on:  # the per-row sampling summary of the trace (verification builds its own)
@@ -141,8 +146,8 @@ class SpecWorker:
                                                        prefixes=prefixes)
             eng.tracer.emit(tracing.forward_batch_event(eng, fb))
         logits = eng.runner.forward(fb)  # [sum(k_i + 1) + len(plain), vocab]
-        for req, row in zip(row_reqs, rows):
-            req.kv_len += len(row.input_ids)
+        for req in row_reqs:
+            req.kv_len += 1
         return fb, logits
 
     def _decode_plain(self, plain: list[Req], logits: torch.Tensor) -> dict[str, list[int]]:
