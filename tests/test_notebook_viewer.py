@@ -163,3 +163,20 @@ def test_refresh_picks_up_a_trace_still_being_written(tmp_path: Path) -> None:
         assert viewer.slider.max == 5 and viewer.step == 2
         assert list(_trace(viewer.figures["tokens"], "tokens").x) == [0, 1, 2, 3]
         viewer.source.trace.close()
+
+
+def test_text_from_an_untrusted_trace_cannot_inject_markup_into_the_page() -> None:
+    from workbench.trace import events as ev
+
+    evil = "</script><script>alert(1)</script><img src=x onerror=alert(2)>"
+    rid = "r<b>1"
+    events = [ev.RequestAdded(step=1, req_id=rid, prompt=evil), ev.ScheduleDecision(step=1, kv_used=1, kv_total=2),
+              ev.TokenChosen(step=1, req_id=rid, position=0, token_id=5, text=evil, logprob=-1.0,
+                             top_logprobs=[[6, -2.0, evil]]),
+              ev.DetokState(step=1, req_id=rid, delta=evil, held_text=evil, held_reason=evil),
+              ev.FinishDecision(step=1, req_id=rid, checks=[{"name": evil, "inputs": {"x": evil}, "result": True}],
+                                finish_reason="stop", evidence={"matched": evil})]
+    viewer = TraceViewer(events, widgets=False)
+    page = viewer.to_html(include_plotlyjs=False)
+    assert "<script>alert" not in page and "<img src=x" not in page and "<b>1" not in page
+    assert "&lt;img src=x" in page  # shown as text, not dropped

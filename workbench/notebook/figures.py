@@ -75,7 +75,7 @@ def _token_hover(token: Any) -> str:
              f"logprob {lp} · rank {token.rank}", "<i>alternatives</i>"]
     for alt in token.top_logprobs[:8]:
         text = alt[2] if len(alt) > 2 else f"#{alt[0]}"
-        lines.append(f"{html.escape(show_token(str(text)))}: {alt[1]:.3f}")
+        lines.append(f"{html.escape(show_token(str(text)), quote=False)}: {alt[1]:.3f}")
     return "<br>".join(lines)
 
 
@@ -86,7 +86,7 @@ def tokens_figure(req: RequestView | None, step: int | None) -> go.Figure:
     tokens = req.tokens
     selected = req.token_at(step) if step is not None else None
     logprobs = [t.logprob if t.logprob is not None else math.nan for t in tokens]
-    fig = _figure(f"{req.req_id}: tokens by position (colour = logprob)")
+    fig = _figure(f"{html.escape(req.req_id, quote=False)}: tokens by position (colour = logprob)")
     fig.add_trace(go.Scatter(
         name="tokens", x=[t.position for t in tokens], y=logprobs, mode="markers+text",
         text=[show_token(t.text) for t in tokens], textposition="top center", textfont={"size": 10},
@@ -133,9 +133,9 @@ def stage_tokens(stages: SamplingStages, limit: int = 12) -> list[int]:
         for tid in stage.get("top_ids", []):
             if tid not in ids:
                 ids.append(int(tid))
-    if stages.chosen >= 0 and stages.chosen not in ids:
-        ids.append(stages.chosen)
-    return ids[:limit] if stages.chosen in ids[:limit] else ids[:limit - 1] + [stages.chosen]
+    if stages.chosen < 0 or stages.chosen in ids[:limit]:
+        return ids[:limit]
+    return [t for t in ids if t != stages.chosen][:limit - 1] + [stages.chosen]  # always show the chosen one
 
 
 def stage_probs(stage: dict[str, Any], ids: Sequence[int]) -> list[float]:
