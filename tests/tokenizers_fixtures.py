@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import io
-import json
 import os
 import random
 import shutil
@@ -50,20 +48,10 @@ def build_sentencepiece_tokenizer(folder: str | os.PathLike[str], vocab_size: in
 
     ids: 0 <unk>, 1 <s>, 2 </s>, then 256 `<0xNN>` byte pieces, then the learned pieces.
     """
-    import sentencepiece as spm
+    from workbench.models.tiny import train_sentencepiece
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentencepiece_corpus()), model_writer=model, vocab_size=vocab_size,
-        model_type=model_type, byte_fallback=True, character_coverage=character_coverage,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2, num_threads=1)
-    (folder / "tokenizer.model").write_bytes(model.getvalue())
-    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
-              "unk_token": "<unk>", "add_bos_token": False, "add_eos_token": False}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return folder
+    return train_sentencepiece(Path(folder), vocab_size, corpus=sentencepiece_corpus(), model_type=model_type,
+                               chat=False, character_coverage=character_coverage)
 
 
 def load_tokenizer(folder: str | os.PathLike[str]) -> Any:

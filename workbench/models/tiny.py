@@ -60,28 +60,32 @@ def build_tiny_bpe(folder: Path, smollm2_tokenizer_folder: Path, seed: int = 0) 
     return folder
 
 
-def train_sentencepiece(folder: Path, vocab_size: int = 400) -> Path:
+def train_sentencepiece(folder: Path, vocab_size: int = 400, *, corpus: list[str] | None = None,
+                        model_type: str = "bpe", chat: bool = True, character_coverage: float = 0.9995) -> Path:
     """Train a small byte-fallback SentencePiece model and lay it out so AutoTokenizer loads it fast.
 
     Per DESIGN.md: `tokenizer.model` beside a `tokenizer_config.json` naming `LlamaTokenizer`;
-    characters outside the vocabulary come out as `<0xE2>`-style byte tokens.
+    characters outside the vocabulary come out as `<0xE2>`-style byte tokens. With `chat`, the
+    `<|im_start|>`/`<|im_end|>` markers are pieces and the config carries a chat template.
     """
     import io
 
     import sentencepiece as spm
 
+    folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_SP_CORPUS.splitlines() * 20), model_writer=buf, vocab_size=vocab_size,
-        model_type="bpe", byte_fallback=True, character_coverage=0.9995, bos_id=1, eos_id=2, unk_id=0,
-        pad_id=-1, user_defined_symbols=["<|im_start|>", "<|im_end|>"], minloglevel=2,
+        sentence_iterator=iter(corpus or _SP_CORPUS.splitlines() * 20), model_writer=buf, vocab_size=vocab_size,
+        model_type=model_type, byte_fallback=True, character_coverage=character_coverage, bos_id=1, eos_id=2,
+        unk_id=0, pad_id=-1, user_defined_symbols=["<|im_start|>", "<|im_end|>"] if chat else [], minloglevel=2,
+        num_threads=1,
     )
     (folder / "tokenizer.model").write_bytes(buf.getvalue())
-    config = {
-        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "add_bos_token": True, "add_eos_token": False, "legacy": False, "chat_template": CHAT_TEMPLATE,
-    }
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+              "add_bos_token": chat, "add_eos_token": False, "legacy": False}
+    if chat:
+        config["chat_template"] = CHAT_TEMPLATE
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return folder
 
