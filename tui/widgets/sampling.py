@@ -9,7 +9,6 @@ sampler's rules (the engine) or picking the position (the screen).
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from tui.fmt import bar, num, quote
@@ -20,6 +19,7 @@ from workbench.trace.events import Logits, SamplingStages, TokenChosen
 ROWS = 5
 BAR = 6
 CELL = 1 + 11 + 1 + BAR + 1 + 5  # mark, quoted text, bar, value
+GAP = 2
 
 
 def _cell(vocab: Vocab, tid: int, value: str, fraction: float | None, chosen: int) -> Text:
@@ -32,27 +32,46 @@ def _cell(vocab: Vocab, tid: int, value: str, fraction: float | None, chosen: in
     return out
 
 
-def stage_table(logits: Logits | None, sampling: SamplingStages | None, vocab: Vocab) -> Table:
+def _columns_text(headers: list[tuple[str, str]], columns: list[list[Text]], widths: list[int]) -> Text:
+    """Side-by-side columns as one Text (two header lines, then rows): no table measuring pass."""
+    out = Text()
+    for line in range(2):
+        for title, width in zip(headers, widths):
+            out.append(title[line].ljust(width + GAP), "bold")
+        out.append("\n")
+    for row in range(max((len(c) for c in columns), default=0)):
+        for column, width in zip(columns, widths):
+            cell = column[row] if row < len(column) else Text("")
+            cell.truncate(width, pad=True)
+            out.append_text(cell)
+            out.append(" " * GAP)
+        out.append("\n")
+    out.rstrip()
+    return out
+
+
+def stage_table(logits: Logits | None, sampling: SamplingStages | None, vocab: Vocab) -> Text:
     """Columns: the logits' top-k, then the distribution after each stage."""
     chosen = sampling.chosen if sampling is not None else -1
-    table = Table(box=None, pad_edge=False, padding=(0, 2), header_style="bold")
+    headers: list[tuple[str, str]] = []
     columns: list[list[Text]] = []
+    widths: list[int] = []
     if logits is not None:
-        table.add_column(f"logits\nentropy {num(logits.entropy, 2)}", no_wrap=True, min_width=CELL - BAR - 1)
+        headers.append(("logits", f"entropy {num(logits.entropy, 2)}"))
         columns.append([_cell(vocab, tid, num(v, 2), None, chosen)
                         for tid, v in zip(logits.top_ids[:ROWS], logits.top_logits[:ROWS])])
+        widths.append(CELL - BAR - 1)
     for stage in sampling.stages if sampling is not None else []:
         kept = stage.get("kept_count")
-        mass = stage.get("kept_mass")
         applied = "" if stage.get("applied", True) else " (off)"
-        table.add_column(f"{stage.get('name', '?')}{applied}\nkept {kept if kept is not None else '—'}"
-                         f" · mass {num(mass, 2)}", no_wrap=True, min_width=CELL)
+        headers.append((f"{stage.get('name', '?')}{applied}",
+                        f"kept {kept if kept is not None else '—'} · mass {num(stage.get('kept_mass'), 2)}"))
         probs = [float(p) for p in stage.get("top_probs", [])[:ROWS]]
         columns.append([_cell(vocab, int(tid), num(p, 3), p, chosen)
                         for tid, p in zip(stage.get("top_ids", [])[:ROWS], probs)])
-    for row in range(max((len(c) for c in columns), default=0)):
-        table.add_row(*[c[row] if row < len(c) else Text("") for c in columns])
-    return table
+        widths.append(CELL)
+    widths = [max(w, len(h[0]), len(h[1])) for w, h in zip(widths, headers)]
+    return _columns_text(headers, columns, widths)
 
 
 def chosen_text(sampling: SamplingStages | None, token: TokenChosen | None, vocab: Vocab) -> Text:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from tui.fmt import bar, legend, num, p_style, quote, visible
@@ -58,18 +57,18 @@ def token_detail(tok: TokenChosen) -> Text:
                          f"  source {tok.source}  step {tok.step}")
 
 
-def alternatives(tok: TokenChosen) -> Table:
-    table = Table(box=None, pad_edge=False, padding=(0, 1), header_style="bold")
-    for name in ("", "alternative", "id", "logprob", "p"):
-        table.add_column(name, no_wrap=True)
+def alternatives(tok: TokenChosen) -> Text:
+    """The top alternatives at this position with logprob and probability bars (the chosen one marked)."""
+    out = Text(f"  {'alternative':<14} {'id':>6} {'logprob':>7}  p", style="bold", no_wrap=True, overflow="ellipsis")
     for alt in tok.top_logprobs:
         tid, lp = alt[0], alt[1]
         text = alt[2] if len(alt) > 2 else "?"
         p = math.exp(lp) if isinstance(lp, (int, float)) and math.isfinite(lp) else 0.0
         mine = tid == tok.token_id
-        table.add_row("▸" if mine else " ", quote(text, 20), str(tid), num(lp), Text(bar(p, 10) + f" {p:.3f}",
-                      style="green" if mine else "blue"), style="bold" if mine else None)
-    return table
+        out.append(f"\n{'▸' if mine else ' '} {quote(text, 14):<14} {tid:>6} {num(lp):>7}  ",
+                   "bold" if mine else "")
+        out.append(bar(p, 8) + f" {p:.3f}", "green" if mine else "blue")
+    return out
 
 
 def draw_tokens(ctx: PaneContext) -> RenderableType:
