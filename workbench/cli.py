@@ -1,4 +1,4 @@
-"""The `workbench` command: generate, demo, tui, serve, replay, diff, export, bench, make-traces.
+"""The `workbench` command: generate, demo, tui, serve, client, replay, diff, export, bench, make-traces.
 
 Owns: argument parsing and wiring subcommands to library calls. Heavy imports (torch, the engine,
 textual, fastapi) happen inside each subcommand so `workbench --help` and the viewers start fast.
@@ -132,6 +132,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(args) or 0
 
 
+def cmd_client(args: argparse.Namespace) -> int:
+    from workbench.client import run_client
+
+    return run_client(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import runpy
 
@@ -180,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     if add_serve_args is not None:
         add_serve_args(p)
     p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("client", help="concurrent streaming requests: client vs server TTFT and inter-token latency")
+    from workbench.client import add_client_args
+
+    add_client_args(p)
+    p.set_defaults(func=cmd_client)
     p = sub.add_parser("replay", help="re-execute a trace and report the first divergence")
     p.add_argument("trace")
     p.add_argument("--tolerance", type=float, default=1e-3)

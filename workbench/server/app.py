@@ -30,7 +30,9 @@ from workbench.server.errors import APIError, install_error_handlers
 from workbench.server.event_hub import EventHub
 from workbench.server.logprobs import TokenBytes
 from workbench.server.metrics import Metrics
+from workbench.server.output_buffer import StreamLimits
 from workbench.server.serving import ServerState
+from workbench.server.stream_latency import wrap_app
 from workbench.trace.recorder import MemorySink
 
 log = logging.getLogger("workbench.server")
@@ -72,8 +74,12 @@ class APIKeyMiddleware:
 
 def create_app(engine: Any, *, model_name: str | None = None, hub: EventHub | None = None,
                trace_dir: str | Path | None = None, trace_writer: Any = None, api_key: str | None = None,
-               max_body_bytes: int = 4 << 20, default_max_tokens: int = 1024, close_engine: bool = False) -> FastAPI:
+               max_body_bytes: int = 4 << 20, default_max_tokens: int = 1024, close_engine: bool = False,
+               stream_limits: StreamLimits | None = None) -> FastAPI:
     """An OpenAI-compatible app over `engine`; the engine thread runs while the app is served.
+
+    `stream_limits` bounds what one request may hold for a client that reads slowly (bytes) and how
+    long one write may block (seconds) before the request is aborted (output_buffer.py).
 
     With `close_engine`, shutting the app down also closes the engine (its trace files are
     finished), for a caller that hands the engine over, as `workbench serve` does.
@@ -92,7 +98,8 @@ def create_app(engine: Any, *, model_name: str | None = None, hub: EventHub | No
     metrics = Metrics()
     tracer.add_sink(metrics.spec)
     state = ServerState(
-        engine=engine, loop=EngineLoop(engine, on_finished=metrics.observe_finished), hub=hub, metrics=metrics,
+        engine=engine, loop=EngineLoop(engine, on_finished=metrics.observe_finished, limits=stream_limits), hub=hub,
+        metrics=metrics,
         model_name=model_name or str(engine.loaded.spec), token_bytes=TokenBytes(engine.tokenizer),
         trace_dir=Path(trace_dir) if trace_dir is not None else None, trace_writer=trace_writer,
         api_key=api_key, max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens,
@@ -117,6 +124,7 @@ def create_app(engine: Any, *, model_name: str | None = None, hub: EventHub | No
     app.mount("/static", StaticFiles(directory=routes_debug.STATIC_DIR), name="static")
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    wrap_app(app, state)  # X-Request-Id on every response; frame stamps, send timeout (stream_latency.py)
     return app
 
 

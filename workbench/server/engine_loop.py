@@ -1,8 +1,9 @@
 """The engine beside the event loop: one thread steps the engine, asyncio handlers never block on it.
 
 Owns: the engine thread (the only caller of `Engine.step()`), submitting requests from handlers
-(`submit` -> `RequestHandle` with an asyncio queue per prompt), abort, handing each step's outputs
-to the handles with one `loop.call_soon_threadsafe` per step, per-step logprobs for streaming,
+(`submit` -> `RequestHandle` with a bounded, coalescing output buffer per prompt), abort (once per
+handle, whoever asks first), handing each step's outputs to the handles with one
+`loop.call_soon_threadsafe` per step with their hand-off times, per-step logprobs for streaming,
 a snapshot of engine gauges for /metrics, failures inside a step (the requests that were running
 get an error and are aborted; the engine keeps serving) and an orderly stop. Does not own:
 OpenAI shapes (serving.py) or the live trace fan-out (event_hub.py).
@@ -22,6 +23,9 @@ from typing import Any
 
 from workbench.engine.output import RequestOutput, StepOutput, TokenLogprob
 from workbench.engine.sampling_params import SamplingParams
+from workbench.server.output_buffer import OutputBuffer, StreamLimits
+from workbench.trace.events import Stamp
+from workbench.trace.latency import Handoff
 
 log = logging.getLogger("workbench.server")
 
@@ -38,6 +42,7 @@ class StreamItem:
     step: StepOutput | None
     logprobs: list[TokenLogprob] | None = None  # of step.new_token_ids, when the request asked
     error: str | None = None
+    handoff: Handoff | None = None  # when the engine produced it and handed it over (latency stamps)
 
     @property
     def finished(self) -> bool:
@@ -57,14 +62,24 @@ class EngineStats:
 
 
 class RequestHandle:
-    """One submitted prompt: its request ids (n of them) and the queue their outputs arrive on."""
+    """One submitted prompt: its request ids (n of them) and the bounded buffer their outputs arrive in."""
 
-    def __init__(self, req_ids: list[str]) -> None:
+    def __init__(self, req_ids: list[str], limits: StreamLimits | None = None) -> None:
         self.req_ids = req_ids
-        self.queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+        self.queue = OutputBuffer(limits)  # coalesces deltas while the reader is behind (output_buffer.py)
         self.open = set(req_ids)
         self.outputs: dict[str, RequestOutput] = {}
         self.error: str | None = None
+        self.aborted: str | None = None  # the reason of the one abort that took effect
+        self._abort_lock = threading.Lock()
+
+    def claim_abort(self, reason: str) -> bool:
+        """True for the first abort of a still-open handle (disconnect, timeout and shutdown may race)."""
+        with self._abort_lock:
+            if self.aborted is not None or not self.open:
+                return False
+            self.aborted = reason
+            return True
 
     @property
     def done(self) -> bool:
@@ -99,10 +114,11 @@ class EngineLoop:
     """Runs `engine.step()` on its own thread while there is work, and routes outputs to handles."""
 
     def __init__(self, engine: Any, *, on_finished: Callable[[RequestOutput], None] | None = None,
-                 idle_wait: float = 0.1) -> None:
+                 idle_wait: float = 0.1, limits: StreamLimits | None = None) -> None:
         self.engine = engine
         self.on_finished = on_finished
         self.idle_wait = idle_wait
+        self.limits = limits or StreamLimits()
         self.stats = EngineStats(kv_total=engine.memory.allocator.size)
         self.accepting = True
         self.recent_aborts: deque[tuple[str, int]] = deque(maxlen=1024)  # (req_id, engine step when asked)
@@ -138,7 +154,8 @@ class EngineLoop:
             raise EngineUnavailable("the server is shutting down")
         bases = [req_id] if len(prompts) == 1 else [f"{req_id}-{j}" for j in range(len(prompts))]
         ids = [b if params.n == 1 else f"{b}-{i}" for b in bases for i in range(params.n)]
-        handle = RequestHandle(ids)
+        handle = RequestHandle(ids, self.limits)
+        handle.queue.on_overflow = lambda reason: self.abort(handle, reason)
         for rid in ids:
             self._handles[rid] = handle
         fut = asyncio.get_running_loop().run_in_executor(self._submitter, self._add_all, prompts, params, bases)
@@ -168,20 +185,34 @@ class EngineLoop:
             raise
         return added
 
-    def abort(self, handle: RequestHandle, reason: str = "client disconnected") -> None:
-        """Abort every unfinished request of `handle`; the engine frees their KV at its next step."""
+    def abort(self, handle: RequestHandle, reason: str = "client disconnected") -> bool:
+        """Abort every unfinished request of `handle` once; the engine frees their KV at its next step.
+
+        Idempotent and thread-safe: when disconnect, send timeout and shutdown race, the first reason
+        wins (an `aborted` stamp records it) and the others return False.
+        """
+        if not handle.claim_abort(reason):
+            return False
+        tracer, step = self.engine.tracer, self.engine.step_no
         for rid in list(handle.open):
-            self.recent_aborts.append((rid, self.engine.step_no))
+            self.recent_aborts.append((rid, step))
             self.engine.abort(rid, reason)
+            if tracer.on:
+                tracer.emit(Stamp(step=step, req_id=rid, t=time.perf_counter(), stage="aborted",
+                                  detail={"reason": reason}))
         self._wake.set()
+        return True
 
     def begin_drain(self) -> None:
         """Refuse new requests (503); requests already running continue."""
         self.accepting = False
 
     async def stop(self, timeout: float = 5.0) -> None:
-        """Stop the engine thread; requests still open end with an error item."""
+        """Stop the engine thread; requests still open are aborted (reason "server shutting down", their
+        KV freed by one last pass of the engine thread) and end with an error item."""
         self.accepting = False
+        for handle in {id(h): h for h in self._handles.values()}.values():
+            self.abort(handle, "server shutting down")
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -219,6 +250,18 @@ class EngineLoop:
             self.stats = self._snapshot(time.perf_counter() - t0)
             if items:
                 self._post(items)
+        self._drain_aborts()
+
+    def _drain_aborts(self) -> None:
+        """On stop: let the engine act on aborts asked for (shutdown's own among them) before the thread ends."""
+        if not self.engine.has_work():
+            return
+        try:
+            outs = self.engine.step()
+        except Exception:
+            log.exception("engine step failed while stopping")
+            return
+        self._post([self._item(o) for o in outs])
 
     def _post(self, items: list[StreamItem]) -> None:
         try:
@@ -229,6 +272,11 @@ class EngineLoop:
     def _item(self, out: StepOutput) -> StreamItem:
         req = self.engine.reqs.get(out.req_id)
         logprobs = _step_logprobs(self.engine, req, out.new_token_ids) if req is not None else None
+        handoff = None
+        if req is not None and out.new_token_ids and getattr(req, "timing", None) is not None:
+            clock = self.engine.clock
+            handoff = Handoff(self.engine.step_no, clock.start, clock.scheduled, clock.forward_end, clock.sampled,
+                              req.timing.last_mark, time.perf_counter(), req.timing.arrival)
         if out.finished:
             self.engine.forget(out.req_id)
             if self.on_finished is not None and out.output is not None:
@@ -236,7 +284,7 @@ class EngineLoop:
                     self.on_finished(out.output)
                 except Exception:
                     log.exception("on_finished callback failed")
-        return StreamItem(out.req_id, out, logprobs)
+        return StreamItem(out.req_id, out, logprobs, handoff=handoff)
 
     def _fail_running(self, exc: Exception) -> list[StreamItem]:
         self.failures += 1

@@ -1,7 +1,10 @@
 """Prometheus metrics in the text exposition format (no client library needed).
 
-Owns: latency histograms (TTFT, inter-token latency, end-to-end), request and token counters fed
-by finished requests (`observe_finished`, called on the engine thread), speculative-decoding
+Owns: latency histograms (TTFT, TPOT, inter-token latency, queue time, end-to-end), request and
+token counters fed by finished requests (`observe_finished`, called on the engine thread), stream
+metrics fed by each HTTP request's socket summary (`observe_stream`, on the event loop: engine
+hand-off to socket write per frame, time to the first byte written, aborts by reason, coalesced
+deltas), speculative-decoding
 draft/accept counters fed by trace events (`SpecCounter`, a tracer sink), and rendering everything
 with the engine gauges (running, waiting, KV usage) at scrape time. Does not own: the gauges'
 source (engine_loop.EngineStats) or the HTTP route.
@@ -87,6 +90,18 @@ class Metrics:
         self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "Time between consecutive output tokens.",
                              ITL_BUCKETS)
         self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "Time from arrival to finish.", E2E_BUCKETS)
+        self.tpot = Histogram(f"{PREFIX}_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.", ITL_BUCKETS)
+        self.queue = Histogram(f"{PREFIX}_request_queue_time_seconds",
+                               "Time from tokenized to first scheduled.", TTFT_BUCKETS)
+        self.ttft_socket = Histogram(f"{PREFIX}_time_to_first_token_written_seconds",
+                                     "Time from arrival until the first token's frame was written to the socket.",
+                                     TTFT_BUCKETS)
+        self.to_socket = Histogram(f"{PREFIX}_stream_ready_to_written_seconds",
+                                   "Per frame: from the engine handing the (oldest) delta over to its write returning.",
+                                   ITL_BUCKETS)
+        self.stream_aborts: dict[str, int] = {}
+        self.coalesced = 0
         self.spec = SpecCounter()
         self.finished: dict[str, int] = {}
         self.prompt_tokens = 0
@@ -103,11 +118,27 @@ class Metrics:
             self.itl.observe(float(gap))
         if timings.get("e2e") is not None:
             self.e2e.observe(float(timings["e2e"]))
+        if timings.get("tpot") is not None:
+            self.tpot.observe(float(timings["tpot"]))
+        if timings.get("queue") is not None:
+            self.queue.observe(float(timings["queue"]))
         with self._lock:
             reason = output.finish_reason or "unknown"
             self.finished[reason] = self.finished.get(reason, 0) + 1
             self.prompt_tokens += int(output.usage.get("prompt_tokens", 0))
             self.generation_tokens += int(output.usage.get("completion_tokens", 0))
+
+    def observe_stream(self, summary: dict[str, Any]) -> None:
+        """One HTTP request's socket summary (workbench.trace.latency.socket_summary), on the event loop."""
+        if summary.get("ttft_socket") is not None:
+            self.ttft_socket.observe(float(summary["ttft_socket"]))
+        for gap in summary.get("ready_to_written") or ():
+            self.to_socket.observe(float(gap))
+        with self._lock:
+            self.coalesced += int(summary.get("coalesced") or 0)
+            if summary.get("aborted"):
+                reason = str(summary["aborted"])
+                self.stream_aborts[reason] = self.stream_aborts.get(reason, 0) + 1
 
     def count_error(self, status: int) -> None:
         with self._lock:
@@ -137,12 +168,18 @@ class Metrics:
             counter("prompt_tokens_total", "Prompt tokens of finished requests.", self.prompt_tokens)
             counter("generation_tokens_total", "Output tokens of finished requests.", self.generation_tokens)
             finished, errors = dict(self.finished), dict(self.http_errors)
+            aborts, coalesced = dict(self.stream_aborts), self.coalesced
+        counter("stream_coalesced_deltas_total", "Deltas merged into an earlier frame because a client read slowly.",
+                coalesced)
+        lines += [f"# HELP {PREFIX}_stream_aborts_total Streams the server aborted, by reason.",
+                  f"# TYPE {PREFIX}_stream_aborts_total counter"]
+        lines += [f'{PREFIX}_stream_aborts_total{{reason="{r}"}} {n}' for r, n in sorted(aborts.items())]
         lines += [f"# HELP {PREFIX}_requests_finished_total Finished requests by finish reason.",
                   f"# TYPE {PREFIX}_requests_finished_total counter"]
         lines += [f'{PREFIX}_requests_finished_total{{finish_reason="{r}"}} {n}' for r, n in sorted(finished.items())]
         lines += [f"# HELP {PREFIX}_http_errors_total Error responses by status code.",
                   f"# TYPE {PREFIX}_http_errors_total counter"]
         lines += [f'{PREFIX}_http_errors_total{{status="{s}"}} {n}' for s, n in sorted(errors.items())]
-        for hist in (self.ttft, self.itl, self.e2e):
+        for hist in (self.ttft, self.itl, self.e2e, self.tpot, self.queue, self.ttft_socket, self.to_socket):
             lines += hist.render()
         return "\n".join(lines) + "\n"

@@ -26,6 +26,7 @@ from workbench.server.event_hub import EventHub
 from workbench.server.logprobs import TokenBytes
 from workbench.server.metrics import Metrics
 from workbench.server.protocol import Usage
+from workbench.server.stream_latency import attach
 
 M = TypeVar("M", bound=BaseModel)
 DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) up to here, so the client sees the 413
@@ -192,11 +193,13 @@ def build_params(req: Any, *, max_tokens: int, logprobs: bool, top_logprobs: int
 async def submit(state: ServerState, prompts: list[Any], params: SamplingParams, req_id: str,
                  prompt_param: str) -> RequestHandle:
     try:
-        return await state.loop.submit(prompts, params, req_id)
+        handle = await state.loop.submit(prompts, params, req_id)
     except EngineUnavailable as exc:
         raise APIError(503, str(exc), code="shutting_down") from None
     except ValueError as exc:
         raise api_error_from_value_error(exc, prompt_param) from None
+    attach(req_id, handle)  # X-Request-Id and the frame stamps of this HTTP request (stream_latency.py)
+    return handle
 
 
 # --- results ------------------------------------------------------------------------------------
