@@ -8,7 +8,7 @@ between consecutive content chunks. A request counts as completed only if its st
 `[DONE]` and reports exactly the asked number of tokens.
 
     python benchmarks/server_latency.py [--model smollm2] [--clients 1,8,32] [--new 64]
-        [--requests-per-client 2] [--trace-level summary] [--json out.json]
+        [--requests-per-client 2] [--trace-level summary] [--engine-baseline] [--json out.json]
 """
 
 from __future__ import annotations
@@ -104,6 +104,23 @@ async def run_level(url: str, model: str, clients: int, per_client: int, new: in
             "itl_p99_ms": pct(itl, 99), "output_tok_s": sum(r["tokens"] for r in good) / wall, "wall_s": wall}
 
 
+def engine_baseline(engine, clients: int, per_client: int, new: int) -> dict:
+    """The same work through `Engine.generate` in-process (no HTTP): what the server's numbers compare to."""
+    from workbench.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
+    engine.generate([[{"role": "user", "content": "warm up"}]], params.replace(max_new_tokens=4))
+    t0, outs = time.perf_counter(), []
+    for k in range(per_client):
+        chats = [[{"role": "user", "content": f"Write about {TOPICS[(i + k) % len(TOPICS)]}."}] for i in range(clients)]
+        outs += engine.generate(chats, params)
+    wall = time.perf_counter() - t0
+    ttft = sorted(o.timings["ttft"] for o in outs)
+    itl = sorted(x for o in outs for x in o.timings["itl"])
+    return {"ttft_p50_ms": pct(ttft, 50), "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+            "output_tok_s": sum(len(o.token_ids) for o in outs) / wall}
+
+
 def pct(values: list[float], q: float) -> float | None:
     """Nearest-rank percentile, in milliseconds."""
     if not values:
@@ -120,19 +137,35 @@ def main() -> int:
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--trace-level", default="summary", choices=("off", "summary", "full"))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--engine-baseline", action="store_true",
+                    help="also run the same batches through Engine.generate in-process, for the ratio")
     args = ap.parse_args()
+    levels = [int(x) for x in args.clients.split(",")]
+    engine = None
+    if args.engine_baseline:
+        from workbench.engine.engine import Engine
+
+        engine = Engine(args.model, trace_level=args.trace_level)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_server(args.model, port, args.trace_level)
     rows = []
     try:
         asyncio.run(run_level(url, args.model, 2, 1, 8))  # warm-up (first-request costs)
-        for n in (int(x) for x in args.clients.split(",")):
+        for n in levels:
+            if engine is not None:  # right before the server's turn (the idle server uses no CPU meanwhile)
+                b = engine_baseline(engine, n, args.requests_per_client, args.new)
+                print(f"engine   clients={n:>3}  TTFT p50 {b['ttft_p50_ms']} ms  ITL p50/p99 {b['itl_p50_ms']}/"
+                      f"{b['itl_p99_ms']} ms  {b['output_tok_s']:.1f} tok/s", flush=True)
             rows.append(asyncio.run(run_level(url, args.model, n, args.requests_per_client, args.new)))
             r = rows[-1]
+            if engine is not None:
+                r["engine_baseline"] = b
+                r["server_vs_engine_tok_s"] = round(r["output_tok_s"] / b["output_tok_s"], 3)
             print(f"clients={n:>3}  requests={r['requests']:>3}  completed={r['completed']:>3}  "
                   f"failed={r['failed']}  TTFT p50/p99 {r['ttft_p50_ms']}/{r['ttft_p99_ms']} ms  "
-                  f"ITL p50/p99 {r['itl_p50_ms']}/{r['itl_p99_ms']} ms  {r['output_tok_s']:.1f} tok/s", flush=True)
+                  f"ITL p50/p99 {r['itl_p50_ms']}/{r['itl_p99_ms']} ms  {r['output_tok_s']:.1f} tok/s"
+                  + (f"  ({r['server_vs_engine_tok_s']:.2f}x the engine alone)" if engine is not None else ""), flush=True)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
