@@ -178,8 +178,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     import xgrammar as xgr
 
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
-    dead = [r for r in rows if not torch.isfinite(logits[r]).any()]
-    for r in dead:
+    alive = (logits[rows] > float("-inf")).any(dim=-1).tolist()  # one pass over the constrained rows
+    for r in (r for r, ok in zip(rows, alive) if not ok):
         allowed = torch.zeros_like(logits[r])
         xgr.apply_token_bitmask_inplace(allowed[None], bitmask[r:r + 1].to(logits.device))
         logits[r] = allowed
