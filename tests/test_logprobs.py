@@ -50,7 +50,8 @@ def test_raw_logprobs_equal_transformers_log_softmax(engine, tiny) -> None:
     ref = _hf_logprobs(str(tiny.folder), out.prompt_token_ids + out.token_ids)
     _check_raw(out, ref, 5)
     assert any(t.rank > 1 for t in out.logprobs), "a sampled run should pick some non-argmax token"
-    named = engine.reqs[out.req_id].output_token_ids_logprobs
+    named = out.token_ids_logprobs
+    assert len(named) == len(out.token_ids)
     p = len(out.prompt_token_ids)
     for j, d in enumerate(named):
         assert d == pytest.approx({13: float(ref[p - 1 + j, 13]), 42: float(ref[p - 1 + j, 42])}, abs=1e-4)

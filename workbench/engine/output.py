@@ -52,6 +52,7 @@ class RequestOutput:
     evidence: dict[str, Any] | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[dict[str, Any] | None] | None = None
+    token_ids_logprobs: list[dict[int, float]] | None = None  # per output token, for SamplingParams.token_ids_logprob
     usage: dict[str, int] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)
     spec: dict[str, Any] | None = None

@@ -136,4 +136,5 @@ class OutputProcessor:
                 "cached_prompt_tokens": req.cached_prompt_tokens},
             timings={**req.timing.summary(times, time.perf_counter()), "preemptions": req.num_preemptions},
             spec=req.spec_stats.to_dict() if req.spec_stats is not None else None,
-            tool_calls=self._tool_calls(req, tail), error=req.error), tail
+            tool_calls=self._tool_calls(req, tail), error=req.error,
+            token_ids_logprobs=list(req.output_token_ids_logprobs[:n]) if req.params.token_ids_logprob else None), tail
