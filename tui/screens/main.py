@@ -26,6 +26,7 @@ from tui.widgets.batch import BatchPane
 from tui.widgets.cmdline import CommandLine
 from tui.widgets.detok import DetokPane
 from tui.widgets.finish import FinishPane
+from tui.widgets.latency import LatencyPane
 from tui.widgets.sampling import SamplingPane
 from tui.widgets.spec import SpecPane
 from tui.widgets.timeline import StepTimeline
@@ -91,6 +92,7 @@ class MainScreen(ScreenWorkers):
                     with Vertical(classes="pane-column"):
                         yield SpecPane(id="spec")
                         yield FinishPane(id="finish")
+                yield LatencyPane(id="latency")  # shows itself for requests served over HTTP
         yield CommandLine(id="cmdline")
         yield Footer()
 

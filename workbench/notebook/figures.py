@@ -2,7 +2,7 @@
 
 Owns: how each panel draws its data (tokens coloured by logprob with their alternatives on hover,
 the sampling-stage waterfall, the speculative accept/reject strip, batch size and KV usage over
-steps, the finish decision). Each function takes plain records (events, `RequestView`, `StepInfo`)
+steps, the finish decision, a request's latency waterfall from arrival to the socket). Each function takes plain records (events, `RequestView`, `StepInfo`)
 and the selected step, and returns a new `go.Figure`; no widgets, no state, no I/O.
 Does not own: choosing what is selected (viewer.py) or reading traces (data.py).
 """
@@ -19,6 +19,7 @@ import plotly.graph_objects as go
 
 from workbench.notebook.data import RequestView
 from workbench.trace.events import FinishDecision, RequestFinished, SamplingStages, SpecVerify
+from workbench.trace.latency import ROW_STAGES, RequestLatency
 from workbench.trace.reader import StepInfo
 
 HEIGHT = 320
@@ -295,3 +296,53 @@ def finish_figure(decision: FinishDecision | None, finished: RequestFinished | N
         header={"values": ["check", "inputs", "result"], "fill_color": "#eeeeee", "align": "left"},
         cells={"values": [names, inputs, results], "fill_color": [fill], "align": "left", "height": 22}))
     return fig
+
+
+# --- latency waterfall -------------------------------------------------------------------------
+
+ROW_STAGES_ALL = ("tokenize", "queue", *ROW_STAGES)
+STAGE_COLOURS = {"tokenize": "#c7c7c7", "queue": "#9edae5", "schedule": "#aec7e8", "forward": "#1f77b4",
+                 "sample": "#9467bd", "output": "#17becf", "buffered": "#ffbb78", "handoff": "#dbdb8d",
+                 "deliver": "#ff7f0e", "serialize": "#e377c2", "write": "#2ca02c"}
+
+
+def _latency_title(lat: RequestLatency) -> str:
+    h = lat.headline()
+    ms = (lambda v: "–" if v is None else f"{v * 1000:.1f} ms")  # noqa: E731
+    title = f"latency of {html.escape(lat.req_id, quote=False)}: TTFT {ms(h['ttft'])} · TPOT {ms(h['tpot'])}"
+    title += f" · end to end {ms(h['e2e'])}"
+    if lat.has_server:
+        title += f"<br><sup>at the socket: first token written {ms(h['ttft_socket'])}, last {ms(h['e2e_socket'])}"
+        if lat.aborted:
+            title += f" · aborted: {html.escape(lat.aborted, quote=False)}"
+        title += "</sup>"
+    return title
+
+
+def latency_waterfall(lat: RequestLatency | None, max_rows: int = 120) -> go.Figure:
+    """One request's way from arrival to the socket: row 0 its arrival (tokenize, queue), then one row per
+    engine step that produced its tokens (schedule, forward, sample, output) continued, when it was
+    served over HTTP, by the frame that carried them (buffered behind a slow write, hand-off, deliver,
+    serialize, write). Times in ms after arrival; the first `max_rows` rows."""
+    segs = [s for s in (lat.segments() if lat is not None else []) if s.row <= max_rows]
+    if not segs:
+        return _note(_figure("latency waterfall", 220), "no latency stamps for this request")
+    labels = {s.row: s.label for s in segs}
+    order = [labels[r] for r in sorted(labels)]
+    fig = _figure(_latency_title(lat), min(900, 120 + 16 * len(order)))
+    for stage in ROW_STAGES_ALL:
+        mine = [s for s in segs if s.stage == stage]
+        if not mine:
+            continue
+        fig.add_trace(go.Bar(
+            name=stage, orientation="h", y=[s.label for s in mine], base=[s.start * 1000 for s in mine],
+            x=[max((s.end - s.start) * 1000, 0.01) for s in mine], marker_color=STAGE_COLOURS.get(stage, "#7f7f7f"),
+            customdata=[[s.start * 1000, s.end * 1000] for s in mine],
+            hovertemplate=f"{stage}: %{{x:.3f}} ms<br>%{{customdata[0]:.2f}} → %{{customdata[1]:.2f}} ms"
+                          "<extra>%{y}</extra>"))
+    fig.update_layout(barmode="overlay", showlegend=True, legend={"orientation": "h", "y": -0.15},
+                      margin={"t": 70 if lat.has_server else 50},
+                      yaxis={"categoryorder": "array", "categoryarray": order[::-1], "title": {"text": ""}},
+                      xaxis={"title": {"text": "ms after arrival"}})
+    return fig
+

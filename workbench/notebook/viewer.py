@@ -17,11 +17,26 @@ from typing import Any
 import plotly.graph_objects as go
 
 from workbench.notebook import figures
-from workbench.notebook.data import RequestView, Source, as_source
+from workbench.notebook.data import EventSource, RequestView, Source, TraceSource, as_source
 from workbench.notebook.html import render_page
-from workbench.trace.events import SamplingStages
+from workbench.trace.events import Event, SamplingStages
+from workbench.trace.latency import RequestLatency
 
-PANELS = ("tokens", "stages", "spec", "batch", "finish")
+PANELS = ("tokens", "stages", "spec", "batch", "finish", "latency")
+LATENCY_KINDS = ("stamp", "request.finished")
+
+
+def request_latency(source: Source, req_id: str | None) -> RequestLatency | None:
+    """The request's latency stamps and finish record, from a trace file or events in memory."""
+    if req_id is None:
+        return None
+    events: list[Event] = []
+    if isinstance(source, TraceSource):
+        events = list(source.trace.events(kind=list(LATENCY_KINDS), req_id=req_id))
+    elif isinstance(source, EventSource):
+        with source._lock:  # RequestView keeps no stamps; the source's own per-request list has them
+            events = [e for e in source._events.get(req_id, ()) if e.kind in LATENCY_KINDS]
+    return RequestLatency.from_events(req_id, events)
 
 
 def _ipywidgets() -> Any:
@@ -173,6 +188,7 @@ class TraceViewer:
             "batch": figures.batch_figure(self.source.steps(), step, req_steps),
             "finish": figures.finish_figure(req.finish_at(step) if req and step is not None else None,
                                             req.finished if req else None),
+            "latency": figures.latency_waterfall(request_latency(self.source, self.req_id)),
         }
 
     def _vocab(self, req: RequestView | None, stages: SamplingStages | None) -> dict[int, str]:
@@ -223,6 +239,7 @@ class TraceViewer:
             w.HBox([self.picker, self.slider]), self.info, pane["tokens"],
             w.HBox([pane["stages"], pane["spec"]], layout=w.Layout(width="100%")),
             w.HBox([pane["batch"], pane["finish"]], layout=w.Layout(width="100%")),
+            pane["latency"],
         ])
         self._hook_clicks()
 
