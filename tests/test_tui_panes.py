@@ -193,3 +193,16 @@ async def test_without_a_tokenizer_ids_still_show(example_trace: Path, tmp_path:
             assert '" crash on the shore and"' in text  # these ids all appear as tokens somewhere in the trace
         if name == "tokens":
             assert " Waves crash on the rocks" in text
+
+
+async def test_a_small_terminal_narrows_the_timeline_and_keeps_every_pane(example_trace: Path) -> None:
+    app = WorkbenchApp(str(example_trace), step=4)
+    async with app.run_test(size=(110, 34)) as pilot:
+        await settle(pilot)
+        screen = app.main
+        assert screen.has_class("-narrow") and screen.has_class("-short")
+        assert screen.timeline.outer_size.width == 30
+        for name in ("batch", "sampling", "tokens", "spec", "detok", "finish"):
+            widget = screen.query_one(f"#{name}")
+            assert widget.outer_size.height >= 3 and widget.outer_size.width >= 20, name
+        assert "stop_string" in pane(screen, "finish")

@@ -37,6 +37,9 @@ PROMPT_KEYS = {"slash": "search", "f": "filter", "colon": "jump"}
 
 
 class MainScreen(ScreenWorkers):
+    # Screen classes for tui.tcss: a narrow or short terminal gives the panes more of its room.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (140, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (40, "-tall")]
     BINDINGS = [
         Binding("n,j,down", "next_step", "Next step"),
         Binding("p,k,up", "prev_step", "Prev step"),

@@ -50,6 +50,7 @@ class Pane(ScrollView, can_focus=True):
 
     TITLE = "pane"
     WIDE = False  # True: draw at the content's natural width, not wrapped to the pane
+    MIN_WIDTH = 20  # never wrap narrower than this (a narrow pane scrolls sideways instead)
 
     def __init__(self, *, id: str | None = None) -> None:  # noqa: A002 - Textual's name
         super().__init__(id=id)
@@ -73,7 +74,7 @@ class Pane(ScrollView, can_focus=True):
     def _render_strips(self) -> None:
         if not self.is_mounted:
             return
-        width = max(self.scrollable_content_region.width, 20)
+        width = max(self.scrollable_content_region.width, self.MIN_WIDTH)
         console = self.app.console
         options = console.options.update(width=width, height=None, highlight=False)
         if self.WIDE:
@@ -84,7 +85,7 @@ class Pane(ScrollView, can_focus=True):
         self._strips = [Strip(Segment.simplify(line)) for line in lines]
         while self._strips and not self._strips[-1].text.strip():
             self._strips.pop()  # Rich ends a Group with a blank line
-        self._drawn_width = width
+        self._drawn_width = self.scrollable_content_region.width
         self.virtual_size = Size(max((s.cell_length for s in self._strips), default=0), len(self._strips))
         self.refresh(layout=old_height != len(self._strips) and self.styles.height.is_auto)
 
