@@ -12,7 +12,7 @@ import pytest
 
 from tests.test_tui_fixtures import _anyio_backend, _example_trace, _smollm2_folder  # noqa: F401 - fixtures
 from tests.test_tui_panes import pane, settle, tui
-from tui.screens.help import HelpScreen
+from tui.screens.help import HelpScreen, display_key
 from tui.screens.main import MainScreen
 from tui.widgets.cmdline import CommandLine
 
@@ -193,7 +193,7 @@ async def test_help_lists_every_binding_and_closes(example_trace: Path) -> None:
         for binding in MainScreen.BINDINGS:
             assert binding.description in text
             for key in binding.key.split(","):
-                assert key.strip() in text
+                assert display_key(key.strip()) in text
         await press(pilot, "escape")
         assert pilot.app.screen is screen
 

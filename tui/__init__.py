@@ -1,8 +1,9 @@
 """The workbench TUI: step through a `.wbtrace` trace, or follow a running server's live events.
 
-Public API: `run(path)` opens the TUI on a trace file and returns when the user quits (what
-`workbench demo` calls); `main(argv)` is the command line (`workbench tui FILE | --live URL`,
-`python -m tui ...`) and returns an exit status. Importing this package imports nothing heavy:
+Public API: `run(path)` / `run(live=URL)` opens the TUI on a trace file or a server and returns 0
+when the user quits (what `workbench demo` calls); `main(argv)` is the command line (`workbench tui
+FILE | --live URL` with `--step`, `--request`, `--tokenizer`, `--api-key`, `--no-times`,
+`--screenshot OUT.svg`; `python -m tui ...`) and returns an exit status. Importing this package imports nothing heavy:
 Textual loads when the app starts. The TUI reads traces through `workbench.trace` only.
 """
 

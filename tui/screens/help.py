@@ -13,8 +13,17 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
+KEY_DISPLAY = {"slash": "/", "colon": ":", "question_mark": "?", "left_square_bracket": "[",
+               "right_square_bracket": "]", "escape": "esc"}
+
+
+def display_key(key: str) -> str:
+    """A binding's key as the user types it (`slash` -> `/`)."""
+    return KEY_DISPLAY.get(key, key)
+
+
 EXTRA = [("tab / shift+tab", "Move focus between panes (arrows then scroll the focused pane)"),
-         ("escape", "Close this help, the command line, or clear the search mark"),
+         ("↑ (command line)", "Recall the last search, filter or jump"),
          ("mouse", "Click a step; the wheel scrolls the pane under the pointer")]
 
 
@@ -23,7 +32,7 @@ def help_table(bindings: list[Binding]) -> Table:
     grouped: dict[str, tuple[list[str], str]] = {}
     for b in bindings:
         keys, desc = grouped.setdefault(b.action, ([], b.description or b.action))
-        keys.extend(k.strip() for k in b.key.split(","))
+        keys.extend(display_key(k.strip()) for k in b.key.split(","))
     table = Table(box=None, pad_edge=False, padding=(0, 2), header_style="bold")
     table.add_column("keys", style="bold cyan", no_wrap=True)
     table.add_column("does")

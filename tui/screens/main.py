@@ -59,7 +59,7 @@ class MainScreen(ScreenWorkers):
         Binding("colon", "prompt('jump')", "Jump to step", show=False),
         Binding("y", "copy_text", "Copy the request's text (OSC 52)", show=False),
         Binding("Y", "copy_pane", "Copy the focused pane's text", show=False),
-        Binding("escape", "clear", "Clear the search mark", show=False),
+        Binding("escape", "clear", "Clear the search mark (also closes help and the command line)", show=False),
         Binding("question_mark", "help", "Help"),
         Binding("q", "quit", "Quit"),
     ]
