@@ -1,14 +1,17 @@
 """The latency waterfall in the viewers, on a trace recorded through the server (tiny-random model): the
-notebook figure, the TUI pane (Pilot), and what the live page is fed (the `stream_end` summary)."""
+notebook figure, the TUI pane (Pilot), and the live page in headless Chromium (skipped, saying so,
+without chromium)."""
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 import httpx
 import pytest
 from textual.worker import WorkerState
 
+from tests.test_server_page import CHROMIUM, browser  # noqa: F401 - fixture
 from tests.test_tui_fixtures import _anyio_backend, _example_trace, _smollm2_folder  # noqa: F401 - fixtures
 from tests.test_tui_panes import SIZE, settle
 from tui.app import WorkbenchApp
@@ -113,3 +116,49 @@ async def test_tui_pane_stays_hidden_for_an_engine_only_trace(example_trace: Pat
         pane = app.main.query_one(LatencyPane)
         await _wait_latency(pilot, pane, app.main.sel.req_id)
         assert not pane.display and not pane.latency.has_server
+
+
+# --- the live page, in headless Chromium ------------------------------------------------------------
+
+BLUE_PIXELS = """async (src) => {
+  const img = new Image(); img.src = src; await img.decode();
+  const c = document.createElement("canvas"); c.width = img.width; c.height = img.height;
+  const ctx = c.getContext("2d"); ctx.drawImage(img, 0, 0);
+  const d = ctx.getImageData(0, 0, c.width, c.height).data;
+  let n = 0;
+  for (let i = 0; i < d.length; i += 4) if (d[i + 2] - Math.min(d[i], d[i + 1]) > 60) n++;
+  return n;
+}"""
+
+
+@pytest.fixture(scope="module")
+def page_server(tiny):
+    hub = EventHub()
+    engine = Engine(tiny, trace_level="summary", trace_sinks=[hub])
+    with BackgroundServer(create_app(engine, model_name=MODEL, hub=hub)) as srv:
+        yield srv
+    engine.close()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="LIVE PAGE WATERFALL NOT CHECKED: chromium is not installed")
+def test_live_page_draws_the_waterfall_when_a_stream_ends(page_server, browser):  # noqa: F811 - the fixture
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(page_server.url + "/")
+    page.wait_for_function("document.getElementById('status').textContent === 'live'", timeout=60_000)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": TOKENS,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as client, client.stream("POST", page_server.url + "/v1/chat/completions",
+                                                           json=body) as resp:
+        rid = resp.headers["x-request-id"]
+        resp.read()
+    page.wait_for_function("document.querySelectorAll('.req .lat rect').length > 0", timeout=60_000)
+    card = page.locator(".req", has_text=rid)
+    header = card.locator(".lat .dim").inner_text()
+    assert "socket: first token written" in header and "forward" in header
+    frames = page.evaluate("new Set([...document.querySelectorAll('.req .lat rect title')]"
+                           ".map(t => t.textContent.split(' (')[0])).size")
+    assert frames >= TOKENS - 1  # one row per frame that carried tokens
+    png = card.locator(".lat svg").screenshot()
+    blue = page.evaluate(BLUE_PIXELS, "data:image/png;base64," + base64.b64encode(png).decode())
+    assert blue > 100, blue  # the bars are drawn, not just present in the DOM
+    page.close()

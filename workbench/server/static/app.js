@@ -1,10 +1,11 @@
 // The live page: follows /debug/events (SSE) and draws each request's tokens coloured by
-// probability and the batch of each engine step. Plain JS, no build step.
+// probability, its latency waterfall from arrival to the socket (from the server's stream_end
+// stamp) and the batch of each engine step. Plain JS, no build step.
 "use strict";
 
 const params = new URLSearchParams(location.search);
 const apiKey = params.get("api_key");
-const KINDS = "request.added,token,request.finished,schedule,forward_batch,forward";
+const KINDS = "request.added,token,request.finished,schedule,forward_batch,forward,stamp";
 const MAX_REQUESTS = 30, MAX_TOKENS = 600, MAX_STEPS = 40;
 const requests = new Map();  // req_id -> {el, tokens, state}
 const steps = new Map();     // step -> row element
@@ -62,6 +63,54 @@ function onFinished(ev) {
   r.el.querySelector(".info").textContent = ` ${u.prompt_tokens || 0} prompt + ${u.completion_tokens || 0} output tokens${ttft}`;
 }
 
+// Latency waterfall: one row per frame written, each hand-off a bar (ms after the request's arrival).
+// Colours keep blue the strongest channel, apart from the tokens' red-to-green.
+const STAGES = [["schedule", "start", "scheduled", "#c7d2fe"], ["forward", "scheduled", "forward_end", "#6366f1"],
+  ["sample", "forward_end", "sampled", "#a78bfa"], ["output", "sampled", "output_done", "#818cf8"],
+  ["buffered", "first_ready", "ready", "#94a3b8"], ["handoff", "output_done", "ready", "#cbd5e1"],
+  ["deliver", "ready", "taken", "#38bdf8"], ["serialize", "taken", "serialized", "#e879f9"],
+  ["write", "serialized", "written", "#0ea5e9"]];
+const MAX_LAT_ROWS = 40;
+
+function drawWaterfall(r, s) {
+  const col = {};
+  (s.chunk_columns || []).forEach((name, i) => { col[name] = i; });
+  const rows = (s.chunk_rows || []).slice(0, MAX_LAT_ROWS);
+  const span = Math.max(1e-6, ...rows.map((row) => row[col.written] || row[col.serialized] || 0));
+  const W = 600, H = 7, x = (t) => (W * t / span).toFixed(1);
+  let bars = "";
+  rows.forEach((row, i) => {
+    for (const [stage, a, b, colour] of STAGES) {
+      const t0 = row[col[a]], t1 = row[col[b]];
+      if (t0 == null || t1 == null || t1 < t0 || (stage === "buffered" && row[col.deltas] < 2)) continue;
+      const w = Math.max(0.6, W * (t1 - t0) / span).toFixed(1);
+      bars += `<rect x="${x(t0)}" y="${i * H}" width="${w}" height="${H - 1}" fill="${colour}">` +
+        `<title>frame ${row[col.seq]} (step ${row[col.step]}, ${row[col.tokens]} token(s)): ${stage} ` +
+        `${((t1 - t0) * 1000).toFixed(2)} ms</title></rect>`;
+    }
+  });
+  const ms = (v) => v == null ? "–" : `${(v * 1000).toFixed(1)} ms`;
+  const colours = Object.fromEntries(STAGES.map(([stage, , , colour]) => [stage, colour]));
+  const shares = Object.entries(s.shares || {}).filter(([, v]) => v >= 0.005).sort((a, b) => b[1] - a[1])
+    .map(([k, v]) => `<i style="background:${colours[k] || "#e2e8f0"}"></i>${esc(k)} ${(100 * v).toFixed(0)}%`)
+    .join(" ");
+  let el = r.el.querySelector(".lat");
+  if (!el) { el = document.createElement("div"); el.className = "lat"; r.el.append(el); }
+  el.innerHTML = `<div class="dim">socket: first token written ${ms(s.ttft_socket)} · last ${ms(s.e2e_socket)} · ` +
+    `${s.chunks} frames${s.coalesced ? ` (${s.coalesced} deltas coalesced)` : ""}` +
+    `${s.aborted ? ` · <b class="error">aborted: ${esc(String(s.aborted))}</b>` : ""}<br>${shares}</div>` +
+    `<svg viewBox="0 0 ${W} ${Math.max(H, rows.length * H)}" preserveAspectRatio="none" ` +
+    `style="height:${Math.max(H, rows.length * H)}px">${bars}</svg>`;
+}
+
+function onStamp(ev) {
+  const p = ev.payload;
+  if (p.stage === "stream_end") drawWaterfall(requestCard(ev.req_id), p.detail || {});
+  else if (p.stage === "aborted" && requests.has(ev.req_id)) {
+    requests.get(ev.req_id).el.querySelector(".state").textContent = `aborted: ${(p.detail || {}).reason}`;
+  }
+}
+
 function stepRow(step) {
   let row = steps.get(step);
   if (row) return row;
@@ -117,6 +166,7 @@ function connect() {
       case "forward_batch": onForwardBatch(ev); break;
       case "forward": stepRow(ev.step).querySelector(".ms").textContent = ev.payload.forward_ms.toFixed(1); break;
       case "schedule": onSchedule(ev); break;
+      case "stamp": onStamp(ev); break;
     }
   };
 }
