@@ -17,7 +17,6 @@ import time
 
 import httpx
 import pytest
-
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from workbench.client_stream import ServerView, StreamRecord, slow_transport, stream_request

@@ -38,6 +38,7 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default="Write a short poem about the sea.")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --max-tokens (vLLM/SGLang extension)")
     p.add_argument("--completions", action="store_true", help="use /v1/completions instead of chat")
     p.add_argument("--mode", choices=MODES, default="normal",
                    help="normal; slow: read the socket late (see --read-delay); disconnect: hang up mid-stream")
@@ -157,6 +158,8 @@ async def _model_id(client: Any, url: str) -> str:
 def request_body(args: argparse.Namespace, model: str, index: int) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
                             "stream": True, "seed": index}
+    if getattr(args, "ignore_eos", False):
+        body["ignore_eos"] = True
     if args.completions:
         body["prompt"] = args.prompt
     else:
