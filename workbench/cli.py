@@ -87,11 +87,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_tui(args: argparse.Namespace) -> int:
     import tui
 
-    if args.live:
-        return tui.run(None, live=args.live) or 0
-    if not args.file:
-        raise ValueError("tui: give a trace FILE or --live URL")
-    return tui.run(args.file) or 0
+    return tui.main(args.rest) or 0
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -174,9 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec", default="ngram:k=4")
     p.add_argument("--no-tui", action="store_true")
     p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("tui", help="step through a trace, or follow a live server")
-    p.add_argument("file", nargs="?")
-    p.add_argument("--live", metavar="URL")
+    p = sub.add_parser("tui", help="step through a trace, or follow a live server (FILE | --live URL; "
+                       "--step N --request ID --screenshot OUT.svg ...)", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_tui)
     p = sub.add_parser("serve", help="OpenAI-compatible server with a live trace stream")
     try:
@@ -220,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["tui"]:  # the TUI parses its own options (tui.main), --help included
+        import tui
+
+        return int(tui.main(argv[1:]) or 0)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
