@@ -6,6 +6,8 @@ Owns: the paths `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/v1/mo
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
@@ -22,10 +24,23 @@ def _state(request: Request) -> ServerState:
     return request.app.state.workbench
 
 
+def _inline(node: Any, defs: dict[str, Any]) -> Any:
+    """`node` with every `{"$ref": "#/$defs/X"}` replaced by X's schema (the models are not recursive)."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            return _inline(defs[ref.rsplit("/", 1)[-1]], defs)
+        return {k: _inline(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [_inline(v, defs) for v in node]
+    return node
+
+
 def _body_doc(model: type) -> dict:
     """OpenAPI request body for handlers that parse the body themselves (strictly, in serving.py)."""
+    schema = model.model_json_schema()
     return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+        "schema": _inline(schema, schema.get("$defs", {}))}}}}
 
 
 @router.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
