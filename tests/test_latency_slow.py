@@ -11,7 +11,10 @@ slowness in their own buffers, and the server's bounded output buffer is what fi
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -94,20 +97,40 @@ async def fast_run(url: str, tokens: int = 200) -> StreamRecord:
         return await stream_request(client, url, body(tokens))
 
 
-async def fast_beside_slow(server, url: str, slow_body: dict) -> tuple[StreamRecord, StreamRecord]:  # noqa: ANN001
-    """A slow reader starts; once the engine has generated all of it (so the two never share a batch,
-    which would cost the fast one the same with any reader) and while the server still drains it to
-    the slow socket, a fast stream runs."""
-    slow = StreamRecord(0, "slow")
-    async with httpx.AsyncClient(timeout=120, transport=slow_transport(1.0, 16384, 8192)) as slow_client:
-        task = asyncio.create_task(stream_request(slow_client, url, slow_body, mode="slow", record=slow))
-        deadline = time.monotonic() + 30
-        while not (slow.request_id and latency(server, slow.request_id).finish_reason) and not task.done():
-            assert time.monotonic() < deadline, "the slow request did not finish generating"
-            await asyncio.sleep(0.05)
-        fast = await fast_run(url)
-        await task
-    return fast, slow
+SLOW_CLIENT = """
+import asyncio, json, sys
+import httpx
+from workbench.client_stream import slow_transport, stream_request
+
+async def main():
+    async with httpx.AsyncClient(timeout=120, transport=slow_transport(1.0, 16384, 8192)) as client:
+        rec = await stream_request(client, sys.argv[1], json.loads(sys.argv[2]), mode="slow")
+    print(json.dumps({"request_id": rec.request_id, "text": rec.text, "finish_reason": rec.finish_reason,
+                      "error": rec.error, "content_frames": len(rec.content_frames),
+                      "last_received": rec.frames[-1].received if rec.frames else None}))
+
+asyncio.run(main())
+"""
+
+
+def fast_beside_slow(server, url: str, slow_body: dict) -> tuple[StreamRecord, dict]:  # noqa: ANN001
+    """A slow reader (its own process, as a real client is) starts; once the engine has generated all of
+    it (so the two never share a batch, which would cost the fast one the same with any reader) and
+    while the server still drains it to the slow socket, a fast stream runs."""
+    before = {e.req_id for e in server.recorder.of_kind("request.added")}
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_CLIENT, url, json.dumps(slow_body)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        def generated() -> bool:
+            new = [e.req_id for e in server.recorder.of_kind("request.added") if e.req_id not in before]
+            return bool(new) and latency(server, new[0]).finish_reason is not None
+
+        assert wait_until(generated, 60), "the slow request did not finish generating"
+        fast = asyncio.run(fast_run(url))
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return fast, json.loads(out)
 
 
 def test_slow_reader_is_coalesced_and_does_not_slow_a_fast_one(server):
@@ -119,19 +142,19 @@ def test_slow_reader_is_coalesced_and_does_not_slow_a_fast_one(server):
     for _ in range(2):  # alternate, so machine noise hits both the same way; keep each one's best p99
         fast = asyncio.run(fast_run(url))
         runs["alone"].append(percentile(fast.itl, 99))
-        fast, slow = asyncio.run(fast_beside_slow(server, url, slow_body))
+        fast, slow = fast_beside_slow(server, url, slow_body)
         runs["beside a slow reader"].append(percentile(fast.itl, 99))
         assert fast.error is None and fast.finish_reason == "length"
-        assert slow.frames[-1].received > fast.sent + 1.0  # the slow one was still being drained meanwhile
+        assert slow["last_received"] > fast.sent + 1.0  # the slow one was still being drained meanwhile
     alone, beside = min(runs["alone"]), min(runs["beside a slow reader"])
     assert beside <= 1.2 * alone, f"fast client's inter-token p99 (s): {runs}"
 
-    assert slow.error is None and slow.finish_reason == "length", slow.error
+    assert slow["error"] is None and slow["finish_reason"] == "length", slow["error"]
     full = httpx.post(url, json=body(60, stream=False), timeout=120).json()["choices"][0]["message"]["content"]
-    assert slow.text == full  # coalescing merges deltas; it never changes the text
-    assert wait_until(lambda: latency(server, slow.request_id).summary is not None)
-    summary = latency(server, slow.request_id).summary
-    assert summary["coalesced"] > 0 and len(slow.content_frames) < 60, summary["coalesced"]
+    assert slow["text"] == full  # coalescing merges deltas; it never changes the text
+    assert wait_until(lambda: latency(server, slow["request_id"]).summary is not None)
+    summary = latency(server, slow["request_id"]).summary
+    assert summary["coalesced"] > 0 and slow["content_frames"] < 60, summary["coalesced"]
     assert 0 < summary["max_pending_bytes"] <= server.loop.limits.max_buffer_bytes  # memory stayed bounded
     assert summary["aborted"] is None
     assert wait_until(lambda: kv_all_free(server.engine))
