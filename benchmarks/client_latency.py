@@ -121,10 +121,12 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(30)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     text = (f"## Client vs server latency (benchmarks/client_latency.py)\n\n"
-            f"{args.model}, {args.new} output tokens per request (ignore_eos), {args.rounds} requests per stream, "
-            f"server in its own process (trace level summary), client on the same machine; "
-            f"{platform.machine()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}.\n\n{table(reports)}\n\n"
+            f"`python benchmarks/client_latency.py` — {args.model}, {args.new} output tokens per request "
+            f"(ignore_eos), {args.rounds} requests per stream, server in its own process (trace level summary), "
+            f"client on the same machine; {platform.machine()}, {os.cpu_count()} CPUs, load average after the run "
+            f"{load}, {time.strftime('%Y-%m-%d')}.\n\n{table(reports)}\n\n"
             "TTFT: client = request sent → first content frame received; engine = arrival → first token sampled; "
             "socket = arrival → that token's frame written. ITL: client and socket per frame, engine per token. "
             "Network gap = client receive − server write for the same frame (the first content frame for TTFT).")

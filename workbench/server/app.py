@@ -4,8 +4,9 @@ Owns: building the app (routers, error handlers, static files), its state on
 `app.state.workbench` (no module globals), the lifespan (the engine thread starts with the app
 and stops with it), attaching the live-event and metrics sinks to the engine's tracer, and the
 optional API key (checked in constant time on every route but `/health`; a browser may pass it as
-`?api_key=` on GET requests, since EventSource cannot set headers). Does not own: serving logic,
-routes, or running uvicorn (serve.py).
+`?api_key=` on GET requests, since EventSource cannot set headers), and wrapping everything in the
+latency middleware (stream_latency.py: `X-Request-Id`, frame stamps, send timeout) with the
+per-request stream limits. Does not own: serving logic, routes, or running uvicorn (serve.py).
 """
 
 from __future__ import annotations

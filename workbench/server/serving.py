@@ -3,7 +3,8 @@
 Owns: `ServerState` (everything a handler needs, kept on `app.state.workbench`), reading a request
 body under a size limit into a protocol model, the model check (404), turning request fields into
 `SamplingParams` (engine ValueErrors become 400 naming the OpenAI parameter), submitting to the
-engine loop (503 while shutting down), finish reasons and usage. Does not own: the endpoint-specific
+engine loop (503 while shutting down; the HTTP request is then attached to its engine request for
+`X-Request-Id` and the frame stamps), finish reasons and usage. Does not own: the endpoint-specific
 shapes (serving_chat.py, serving_completion.py) or the routes (routes_openai.py).
 """
 
