@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-trace", action="store_true", help="only the untraced engine and the peers")
     ap.add_argument("--json", default=None)
     ap.add_argument("--repeat", type=int, default=2, help="round-robin repeats; the best of each is reported")
     args = ap.parse_args()
@@ -106,7 +107,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     runs = [("engine (trace off)", lambda: bench_engine(loaded, prompts, args.new))]
     with tempfile.TemporaryDirectory() as tmp:
-        for level in ("summary", "full"):
+        for level in () if args.skip_trace else ("summary", "full"):
             path = os.path.join(tmp, f"{level}.wbtrace")
             runs.append((f"engine (trace {level})", lambda level=level, path=path: {
                 **bench_engine(loaded, prompts, args.new, level, path), "trace_bytes": os.path.getsize(path)}))
