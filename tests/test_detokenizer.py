@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.tokenizers_fixtures import smollm2_tokenizer, sp_tokenizer  # noqa: F401  (pytest fixtures)
 
+from tests.tokenizers_fixtures import smollm2_tokenizer, sp_tokenizer  # noqa: F401  (pytest fixtures)
 from workbench.engine.detokenizer import IncrementalDetokenizer, render_ids
 from workbench.trace.events import DetokState, event_loads
 

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.tokenizers_fixtures import smollm2_tokenizer  # noqa: F401  (pytest fixture)
 
+from tests.tokenizers_fixtures import smollm2_tokenizer  # noqa: F401  (pytest fixture)
 from workbench.engine.tool_parser import (
     StreamingToolParser,
     ToolParseResult,
