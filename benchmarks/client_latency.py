@@ -33,6 +33,7 @@ from workbench.client import ClientReport, add_client_args, run_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- client_latency: begin -->", "<!-- client_latency: end -->"
+HEADING = "## Client vs server latency (queue to socket)"
 COLUMNS = (("client", "client_ttft", "client_itl"), ("server engine", "server_ttft", "server_itl"),
            ("server socket", "socket_ttft", "socket_itl"), ("network gap", "ttft_gap", "gap"))
 
@@ -94,7 +95,7 @@ def write_section(text: str) -> None:
     if BEGIN in old and END in old:
         new = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: block, old, flags=re.S)
     else:
-        new = old.rstrip("\n") + "\n\n" + block + "\n"
+        new = old.rstrip("\n") + f"\n\n{HEADING}\n\n{block}\n"
     path.write_text(new, encoding="utf-8")
 
 
@@ -122,15 +123,14 @@ def main() -> int:
         proc.terminate()
         proc.wait(30)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-    text = (f"## Client vs server latency (benchmarks/client_latency.py)\n\n"
-            f"`python benchmarks/client_latency.py` — {args.model}, {args.new} output tokens per request "
+    text = (f"`python benchmarks/client_latency.py` — {args.model}, {args.new} output tokens per request "
             f"(ignore_eos), {args.rounds} requests per stream, server in its own process (trace level summary), "
             f"client on the same machine; {platform.machine()}, {os.cpu_count()} CPUs, load average after the run "
             f"{load}, {time.strftime('%Y-%m-%d')}.\n\n{table(reports)}\n\n"
             "TTFT: client = request sent → first content frame received; engine = arrival → first token sampled; "
             "socket = arrival → that token's frame written. ITL: client and socket per frame, engine per token. "
             "Network gap = client receive − server write for the same frame (the first content frame for TTFT).")
-    print(text)
+    print(f"{HEADING}\n\n{text}")
     if args.json:
         Path(args.json).write_text(json.dumps([r.to_json() for r in reports], indent=1), encoding="utf-8")
     if not args.no_write:
