@@ -106,6 +106,8 @@ class SpecWorker:
         new_tokens = self._decode_plain(plain, logits[split:])
         new_tokens.update(self._verify(spec, logits[:split]))
         t3 = time.perf_counter()
+        # the request's stage clock: drafting and the verify forward count as forward, verification as sample
+        eng.clock.forward_end, eng.clock.sampled = t2, t3
         self.verify_s += t3 - t1
         self.verify_steps += bool(spec)
         if eng.tracer.on:
