@@ -171,7 +171,9 @@ def test_trace_shows_drafts_verdicts_and_where_each_token_came_from(tiny_sp, oth
     tokens = sink.of_kind("token")
     sources = {e.source for e in tokens}
     assert {"sample", "spec_accept", "spec_recover"} <= sources
+    finished = {e.req_id: e.spec for e in sink.of_kind("request.finished")}
     for out in outs:
+        assert finished[out.req_id] == out.spec and out.spec["drafts"] > 0
         assert [e.token_id for e in tokens if e.req_id == out.req_id] == out.token_ids
         assert [e.position for e in tokens if e.req_id == out.req_id] == list(range(len(out.token_ids)))
     modes = {(e.forward_mode, e.model) for e in sink.of_kind("forward_batch")}
