@@ -22,16 +22,17 @@ import os
 import platform
 import re
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from workbench.client import ClientReport, add_client_args, run_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when run through `workbench bench`
+
+from server_latency import start_server  # noqa: E402  (one launcher for both latency benchmarks)
+
 BEGIN, END = "<!-- client_latency: begin -->", "<!-- client_latency: end -->"
 HEADING = "## Client vs server latency (queue to socket)"
 COLUMNS = (("client", "client_ttft", "client_itl"), ("server engine", "server_ttft", "server_itl"),
@@ -42,24 +43,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def start_server(model: str, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "workbench.server", "--model", model, "--port", str(port), "--trace-level",
-           "summary", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not become healthy")
 
 
 def client_args(url: str, requests: int, concurrency: int, new: int) -> argparse.Namespace:

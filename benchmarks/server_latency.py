@@ -39,7 +39,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, port: int, trace_level: str) -> subprocess.Popen:
+def start_server(model: str, port: int, trace_level: str = "summary") -> subprocess.Popen:
+    """`python -m workbench.server` in its own process; returns once /health answers."""
     cmd = [sys.executable, "-m", "workbench.server", "--model", model, "--port", str(port),
            "--trace-level", trace_level, "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})

@@ -53,7 +53,21 @@ class DraftForward:
     seconds: float
 
 
-class NgramDrafter:
+class _DrafterHooks:
+    """Default lifecycle hooks of a drafter: nothing to prefill, catch up or free. Drafters with
+    state of their own (a KV pool, per-request slots) override them."""
+
+    def on_extend(self, batch: ScheduleBatch) -> None:
+        pass
+
+    def after_verify(self, req: Req) -> list[int]:
+        return []
+
+    def release(self, req: Req) -> None:
+        pass
+
+
+class NgramDrafter(_DrafterHooks):
     """Prompt lookup: find the longest suffix (max..min tokens) earlier in the context, earliest
     occurrence first, and propose the tokens that followed it."""
 
@@ -72,14 +86,6 @@ class NgramDrafter:
             out.append(Draft(tokens, [1.0] * len(tokens)))
         return out
 
-    def on_extend(self, batch: ScheduleBatch) -> None:
-        pass
-
-    def after_verify(self, req: Req) -> list[int]:
-        return []
-
-    def release(self, req: Req) -> None:
-        pass
 
 
 def lookup(ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -109,7 +115,7 @@ def token_rows(req_id: str, pool_idx: int, prefix: int, ids: list[int], sample_r
     return [RowSpec(req_id, pool_idx, prefix + j, [tok], int(j >= n - sample_rows)) for j, tok in enumerate(ids)]
 
 
-class _ModelDrafter:
+class _ModelDrafter(_DrafterHooks):
     """Shared drafting loop of the model drafters: one DRAFT_EXTEND forward (catch-up + first
     draft), then one DECODE forward per further draft token, sampling each from the drafter's
     distribution after the request's own sampling stages (argmax for greedy requests)."""
@@ -202,14 +208,6 @@ class _ModelDrafter:
     def limit(self, reqs: list[Req], ks: list[int]) -> list[int]:
         return ks
 
-    def on_extend(self, batch: ScheduleBatch) -> None:
-        pass
-
-    def after_verify(self, req: Req) -> list[int]:
-        return []
-
-    def release(self, req: Req) -> None:
-        pass
 
 
 def _fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
