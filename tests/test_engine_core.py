@@ -59,6 +59,31 @@ def test_abort_waiting_request(tiny):
     assert engine.finished[a].finish_reason == "length"
 
 
+def _run_to_end(engine, prompts, params, max_steps):
+    ids = [engine.add_request(p, params)[0] for p in prompts]
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        assert steps <= max_steps, f"no request finished after {steps} steps: the scheduler is livelocked"
+    return [engine.finished[i] for i in ids], steps
+
+
+@pytest.mark.parametrize("chunk_size", [8, 128])
+def test_small_pool_finishes_without_thrashing(tiny, chunk_size):
+    # Two prompts that each take more than half the pool plus short ones, all arriving in one step:
+    # partly prefilled requests can hold the whole pool with nothing decoding, and equal arrival
+    # steps once made the scheduler preempt the oldest request forever.
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    prompts = [list(range(10, 130)), list(range(200, 330))] + [list(range(400 + i, 420 + i)) for i in range(6)]
+    want = Engine(tiny, trace_level="off").generate(prompts, params)
+    engine = Engine(tiny, trace_level="off", kv_tokens=200, chunk_size=chunk_size, max_batch_tokens=256)
+    outs, steps = _run_to_end(engine, prompts, params, max_steps=1000)
+    assert sum(o.timings["preemptions"] for o in outs) > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert engine.memory.allocator.available_size() == engine.memory.allocator.size
+
+
 def test_request_that_can_never_fit_is_refused(tiny):
     engine = Engine(tiny, trace_level="off", kv_tokens=64)
     with pytest.raises(ValueError, match="max_new_tokens"):

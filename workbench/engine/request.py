@@ -29,6 +29,7 @@ class Req:
     prompt_ids: list[int]
     params: SamplingParams
     arrival_step: int = 0
+    queue_order: int = 0  # admission order (set by the scheduler); the latest is preempted first
     arrival_time: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING

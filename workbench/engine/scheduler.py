@@ -8,6 +8,7 @@ building tensors (forward_batch.py) or finish rules (finish.py).
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -66,6 +67,7 @@ class Scheduler:
         self.enable_mixed = enable_mixed
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        self._order = itertools.count()
 
     # --- admission -------------------------------------------------------------------------
 
@@ -83,6 +85,7 @@ class Scheduler:
 
     def add(self, req: Req) -> None:
         req.status = ReqStatus.WAITING
+        req.queue_order = next(self._order)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -95,7 +98,7 @@ class Scheduler:
         decode = [r for r in self.running if r.output_ids and r.seq_len - r.kv_len == 1]
         preempted = []
         while decode and not alloc.can_allocate(len(decode)):
-            victim = max(self.running, key=lambda r: r.arrival_step)
+            victim = max(self.running, key=lambda r: r.queue_order)
             self._preempt(victim)
             preempted.append(victim)
             decode = [r for r in decode if r is not victim]
@@ -106,6 +109,13 @@ class Scheduler:
         if decode and not self.enable_mixed:
             budget = 0
         self._schedule_prefill(batch, budget)
+        # Partly prefilled requests can hold the whole pool between them with nothing decoding:
+        # no request could ever move again. Recompute the latest arrival until one can.
+        while not batch.prefill and not batch.decode and len(self.running) > 1:
+            victim = max(self.running, key=lambda r: r.queue_order)
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            self._schedule_prefill(batch, budget)
         has_prefill, has_decode = bool(batch.prefill), bool(batch.decode)
         batch.mode = (ForwardMode.MIXED if has_prefill and has_decode else ForwardMode.EXTEND if has_prefill
                       else ForwardMode.DECODE if has_decode else ForwardMode.IDLE)
@@ -129,7 +139,9 @@ class Scheduler:
                 break
             free = alloc.available_size() - reserve - (1 if is_new else 0)
             chunk = min(req.seq_len - req.kv_len, self.chunk_size, budget, free)
-            if chunk <= 0:
+            if chunk <= 0 or (is_new and req.num_preemptions and free < req.seq_len):
+                # A preempted request comes back only when all of it fits again, or it would be
+                # preempted again mid-recompute; the queue stays first come, first served.
                 break
             if is_new:
                 req.req_pool_idx = pool.allocate()
