@@ -36,8 +36,16 @@ async def settle(pilot: Pilot, timeout: float = 10.0) -> None:
         ready = isinstance(screen, MainScreen) and (
             screen.sel.step is None or (screen.view is not None and screen.view.step == screen.sel.step))
         if not busy and ready:
-            await pilot.pause(0.02)
-            return
+            # Panes lay out over a few refreshes after their data lands: wait for two identical frames.
+            last = None
+            while loop.time() < deadline:
+                await pilot.wait_for_scheduled_animations()
+                await pilot.pause(0.05)
+                frame = app.export_screenshot()
+                if frame == last:
+                    return
+                last = frame
+            break
     raise AssertionError("the TUI did not settle")
 
 
