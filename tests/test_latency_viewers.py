@@ -5,6 +5,7 @@ without chromium)."""
 from __future__ import annotations
 
 import base64
+import json
 from pathlib import Path
 
 import httpx
@@ -150,14 +151,17 @@ def test_live_page_draws_the_waterfall_when_a_stream_ends(page_server, browser):
     with httpx.Client(timeout=60) as client, client.stream("POST", page_server.url + "/v1/chat/completions",
                                                            json=body) as resp:
         rid = resp.headers["x-request-id"]
-        resp.read()
+        body = resp.read().decode()
+    # the server coalesces tokens into one frame when the socket is behind: count what it sent
+    sent = sum(1 for line in body.splitlines()
+               if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"))
     page.wait_for_function("document.querySelectorAll('.req .lat rect').length > 0", timeout=60_000)
     card = page.locator(".req", has_text=rid)
     header = card.locator(".lat .dim").inner_text()
     assert "socket: first token written" in header and "forward" in header
     frames = page.evaluate("new Set([...document.querySelectorAll('.req .lat rect title')]"
                            ".map(t => t.textContent.split(' (')[0])).size")
-    assert frames >= TOKENS - 1  # one row per frame that carried tokens
+    assert sent >= 2 and frames == sent  # one row per frame that carried tokens
     png = card.locator(".lat svg").screenshot()
     blue = page.evaluate(BLUE_PIXELS, "data:image/png;base64," + base64.b64encode(png).decode())
     assert blue > 100, blue  # the bars are drawn, not just present in the DOM
