@@ -251,6 +251,19 @@ def test_stage_records_show_what_each_stage_kept() -> None:
     assert Sampler()(logits, _info(reqs)).stages is None  # tracing off records nothing
 
 
+def test_all_greedy_batch_records_the_same_stages_as_a_mixed_one() -> None:
+    # A batch of greedy rows takes the argmax shortcut; its records must equal what the full
+    # stage pipeline records for the same rows when a sampled row forces it.
+    logits = _logits(seed=3, rows=3)
+    greedy = [_req("g0", temperature=0.0), _req("g1", temperature=0.0)]
+    fast = Sampler()(logits[:2], _info(greedy), trace_topk=5)
+    full = Sampler()(logits, _info([*greedy, _req("s", temperature=0.7, seed=0)]), trace_topk=5)
+    assert fast.next_token_ids == full.next_token_ids[:2] == logits[:2].argmax(-1).tolist()
+    assert fast.stages == full.stages[:2]
+    assert fast.stages[0][0]["entropy"] == pytest.approx(float(torch.distributions.Categorical(
+        logits=logits[0]).entropy()), abs=1e-5)
+
+
 # --- engine: n > 1 shares the prefill; seeded runs repeat -----------------------------------------
 
 

@@ -91,6 +91,9 @@ class SamplingBatchInfo:
         return not self.all_greedy or any(x is not None for x in (self.penalties, self.ban, self.bias, self.grammar)) \
             or bool(self.processed.any())
 
+    def any_stage_applied(self) -> bool:
+        return any(any(self.applied(stage)) for stage in STAGES)
+
     def applied(self, stage: str) -> list[bool]:
         """Per row: do this row's params make `stage` do anything?"""
         rows = range(len(self.reqs))
@@ -229,7 +232,7 @@ class StageRecorder:
         kept = probs > 0 if kept is None else kept
         vals, ids = probs.topk(self.k, dim=-1)
         kept_mass = (prev * kept).sum(-1).tolist()
-        entropy = (-(probs * probs.log()).nan_to_num().sum(-1)).tolist()
+        entropy = (-torch.special.xlogy(probs, probs).sum(-1)).tolist()  # 0 log 0 = 0
         counts = kept.sum(-1).tolist()
         for r, (v, i) in enumerate(zip(vals.tolist(), ids.tolist())):
             self.rows[r].append({"name": name, "top_ids": i, "top_probs": v, "kept_mass": kept_mass[r],
@@ -305,12 +308,14 @@ class Sampler:
         raw_lp = torch.log_softmax(logits, dim=-1)
         rows = logits.shape[0]
         recorder = StageRecorder(trace_topk, logits, info) if trace_topk and rows else None
-        if info.needs_stages or recorder is not None:
+        if info.needs_stages or (recorder is not None and info.any_stage_applied()):
             final = self.process(logits, info, recorder)
             ids, u = self.draw(self._final_probs(final, info), info)
             draws = [None if math.isnan(x) else x for x in u.tolist()]
-        else:  # every row greedy with nothing that changes the argmax: skip the stages
+        else:  # every row greedy and no stage touches any row: the argmax of the raw logits
             final, ids, draws = None, logits.argmax(dim=-1), [None] * rows
+            for stage in self.stage_order if recorder is not None else ():
+                recorder.record(stage, logits)  # applies to no row: repeats the logits record
         lp = raw_lp
         if final is not None and bool(info.processed.any()):
             lp = torch.where(info.processed[:, None], torch.log_softmax(final, dim=-1), raw_lp)

@@ -104,10 +104,16 @@ def emit_sampling(engine: Engine, reqs: list[Req], logits: torch.Tensor, sample:
     step, t = engine.step_no, _now()
     lp = sample.raw_logprobs
     # One device-to-host transfer per quantity for the whole batch (a per-row .tolist() syncs a GPU each time).
+    # log-softmax keeps the order of the logits: one top-k serves both lists
     top_vals, top_ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
-    lp_vals, lp_ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
-    top_vals, top_ids, lp_vals, lp_ids = (x.cpu().tolist() for x in (top_vals, top_ids, lp_vals, lp_ids))
-    entropy = (-(lp.exp() * lp).nan_to_num().sum(-1)).cpu().tolist()
+    lp_vals = lp.gather(1, top_ids)
+    top_vals, top_ids, lp_vals = (x.cpu().tolist() for x in (top_vals, top_ids, lp_vals))
+    lp_ids = top_ids
+    if sample.stages is not None:  # the sampler's first record is the model's own distribution
+        entropy = [row[0]["entropy"] for row in sample.stages]
+    else:
+        probs = lp.exp()
+        entropy = (-torch.special.xlogy(probs, probs).sum(-1)).cpu().tolist()
     full = logits.float().cpu().numpy() if engine.tracer.full else None
     for i, req in enumerate(reqs):
         position = len(req.output_ids)  # the token these logits choose (appended after this call)
