@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from workbench.trace import events as ev
-from workbench.trace.reader import open_trace
+from workbench.trace.reader import TraceError, open_trace
 from workbench.trace.store import TraceWriter
 from workbench.trace.synth import example_events
 
@@ -238,3 +238,30 @@ def test_reading_never_modifies_the_file(tmp_path: Path) -> None:
     with pytest.raises(sqlite3.OperationalError):  # and the reader's connection could not have written
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         conn.execute("INSERT INTO meta VALUES ('x', '1')")
+
+
+def test_unchanged_sampling_stages_are_stored_once_and_read_back_whole(tmp_path: Path) -> None:
+    logits = {"name": "logits", "top_ids": [5, 7], "top_probs": [0.6, 0.3], "kept_mass": 1.0, "kept_count": 40,
+              "entropy": 1.1, "applied": True}
+    top_k = {**logits, "name": "top_k", "top_probs": [0.66, 0.34], "kept_count": 2, "kept_mass": 0.9}
+    stages = [logits, {**logits, "name": "penalties", "applied": False}, top_k,
+              {**top_k, "name": "top_p", "applied": False, "kept_mass": 1.0}]
+    event = ev.SamplingStages(step=1, req_id="r", t=1.0, position=0, stages=stages, chosen=5)
+    path = tmp_path / "s.wbtrace"
+    with TraceWriter(path) as w:
+        w.write(event)
+    stored = sqlite3.connect(path).execute("SELECT payload FROM events").fetchone()[0]
+    assert stored.count("top_ids") == 2 and stored.count('"repeat":true') == 2
+    assert list(open_trace(path).events(kind="sampling")) == [event]
+
+
+def test_a_repeat_with_nothing_before_it_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.wbtrace"
+    with TraceWriter(path) as w:
+        w.write(ev.SamplingStages(step=1, req_id="r", t=1.0, stages=[{"name": "logits", "applied": True}]))
+    conn = sqlite3.connect(path)
+    conn.execute("""UPDATE events SET payload = '{"stages": [{"name": "x", "applied": false, "repeat": true}]}'""")
+    conn.commit()
+    conn.close()
+    with pytest.raises(TraceError, match="corrupt event .*first stage cannot repeat"):
+        list(open_trace(path).events(kind="sampling"))

@@ -210,12 +210,14 @@ _STAGE_FNS = {"penalties": _stage_penalties, "logit_bias": _stage_logit_bias, "g
 class StageRecorder:
     """Per row, the top-k distribution after every stage (only built when tracing asks for it)."""
 
-    def __init__(self, k: int, logits: torch.Tensor, info: SamplingBatchInfo) -> None:
+    def __init__(self, k: int, logits: torch.Tensor, info: SamplingBatchInfo,
+                 logprobs: torch.Tensor | None = None) -> None:
         self.k = min(k, logits.shape[-1])
         self.info = info
         self.rows: list[list[dict[str, Any]]] = [[] for _ in range(logits.shape[0])]
-        self.prev = torch.softmax(logits, dim=-1)
-        self._add("logits", self.prev, self.prev, [True] * logits.shape[0])
+        lp = torch.log_softmax(logits, dim=-1) if logprobs is None else logprobs
+        self.prev = lp.exp()
+        self._add("logits", self.prev, self.prev, [True] * logits.shape[0], logprobs=lp)
 
     def record(self, stage: str, x: torch.Tensor) -> None:
         applied = self.info.applied(stage)
@@ -228,12 +230,18 @@ class StageRecorder:
         self.prev = probs
 
     def _add(self, name: str, probs: torch.Tensor, prev: torch.Tensor, applied: list[bool],
-             kept: torch.Tensor | None = None) -> None:
-        kept = probs > 0 if kept is None else kept
+             kept: torch.Tensor | None = None, logprobs: torch.Tensor | None = None) -> None:
         vals, ids = probs.topk(self.k, dim=-1)
-        kept_mass = (prev * kept).sum(-1).tolist()
-        entropy = (-torch.special.xlogy(probs, probs).sum(-1)).tolist()  # 0 log 0 = 0
-        counts = kept.sum(-1).tolist()
+        if kept is None:  # the model's own distribution: every token with probability is kept
+            counts = torch.count_nonzero(probs, dim=-1).tolist()
+            kept_mass = probs.sum(-1).tolist()
+        else:
+            counts = kept.sum(-1).tolist()
+            kept_mass = (prev * kept).sum(-1).tolist()
+        if logprobs is not None:  # finite log-softmax of raw logits: entropy is one dot product per row
+            entropy = (-(probs.unsqueeze(1) @ logprobs.unsqueeze(2))).flatten().tolist()
+        else:
+            entropy = (-torch.special.xlogy(probs, probs).sum(-1)).tolist()  # 0 log 0 = 0
         for r, (v, i) in enumerate(zip(vals.tolist(), ids.tolist())):
             self.rows[r].append({"name": name, "top_ids": i, "top_probs": v, "kept_mass": kept_mass[r],
                                  "kept_count": counts[r], "entropy": entropy[r], "applied": applied[r]})
@@ -307,7 +315,7 @@ class Sampler:
         logits = logits.float()
         raw_lp = torch.log_softmax(logits, dim=-1)
         rows = logits.shape[0]
-        recorder = StageRecorder(trace_topk, logits, info) if trace_topk and rows else None
+        recorder = StageRecorder(trace_topk, logits, info, raw_lp) if trace_topk and rows else None
         if info.needs_stages or (recorder is not None and info.any_stage_applied()):
             final = self.process(logits, info, recorder)
             ids, u = self.draw(self._final_probs(final, info), info)

@@ -104,8 +104,12 @@ def emit_sampling(engine: Engine, reqs: list[Req], logits: torch.Tensor, sample:
     step, t = engine.step_no, _now()
     lp = sample.raw_logprobs
     # One device-to-host transfer per quantity for the whole batch (a per-row .tolist() syncs a GPU each time).
-    # log-softmax keeps the order of the logits: one top-k serves both lists
-    top_vals, top_ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    # softmax and log-softmax keep the order of the logits: one top-k serves every list
+    if sample.stages is not None:
+        top_ids = torch.tensor([row[0]["top_ids"] for row in sample.stages], dtype=torch.int64, device=logits.device)
+        top_vals = logits.gather(1, top_ids)
+    else:
+        top_vals, top_ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
     lp_vals = lp.gather(1, top_ids)
     top_vals, top_ids, lp_vals = (x.cpu().tolist() for x in (top_vals, top_ids, lp_vals))
     lp_ids = top_ids

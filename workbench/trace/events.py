@@ -15,7 +15,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-SCHEMA_VERSION = 1
+# 2: a sampling stage that changed nothing is stored as {"name", "applied": false, "repeat": true}
+SCHEMA_VERSION = 2
 
 # Trace levels. `off` records nothing and costs nothing; `summary` records every event below;
 # `full` adds full tensors (logits vectors) to the tensors table.
@@ -179,6 +180,35 @@ class SamplingStages(Event):
     draw: float | None = None  # the uniform draw used by the sampler (None for greedy)
     seeded: bool = False
 
+    def payload(self) -> dict[str, Any]:
+        # A stage that applied to no row repeats the record before it with all mass kept; on disk
+        # it is only named (most stages of most rows), and decoding restores the full record.
+        out = Event.payload(self)
+        stages, prev = [], None
+        for s in self.stages:
+            if prev is not None and s.get("applied") is False and s.get("kept_mass") == 1.0 and \
+                    s == {**prev, "name": s.get("name"), "kept_mass": 1.0, "applied": False}:
+                stages.append({"name": s["name"], "applied": False, "repeat": True})
+            else:
+                stages.append(s)
+            prev = s
+        out["stages"] = stages
+        return out
+
+    @staticmethod
+    def expand_payload(payload: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(payload.get("stages"), list):
+            return payload
+        stages, prev = [], None
+        for s in payload["stages"]:
+            if isinstance(s, dict) and s.get("repeat") is True:
+                if prev is None:
+                    raise ValueError("sampling stages: the first stage cannot repeat a previous one")
+                s = {**prev, "name": s.get("name"), "kept_mass": 1.0, "applied": False}
+            stages.append(s)
+            prev = s
+        return {**payload, "stages": stages}
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TokenChosen(Event):
@@ -299,6 +329,9 @@ def event_from_json(obj: dict[str, Any]) -> Event:
     extra = set(payload) - names
     if extra:
         raise ValueError(f"event kind {cls.kind!r} has no fields {sorted(extra)}")
+    expand = getattr(cls, "expand_payload", None)
+    if expand is not None:
+        payload = expand(payload)
     return cls(step=int(obj["step"]), req_id=obj.get("req_id"), t=float(obj.get("t", 0.0)), **payload)
 
 
