@@ -232,14 +232,14 @@ class StageRecorder:
     def _add(self, name: str, probs: torch.Tensor, prev: torch.Tensor, applied: list[bool],
              kept: torch.Tensor | None = None, logprobs: torch.Tensor | None = None) -> None:
         vals, ids = probs.topk(self.k, dim=-1)
-        if kept is None:  # the model's own distribution: every token with probability is kept
-            counts = torch.count_nonzero(probs, dim=-1).tolist()
-            kept_mass = probs.sum(-1).tolist()
+        if kept is None:  # the model's own distribution: no filter has run, every token is kept
+            counts = [probs.shape[-1]] * probs.shape[0]
+            kept_mass = [1.0] * probs.shape[0]
         else:
             counts = kept.sum(-1).tolist()
             kept_mass = (prev * kept).sum(-1).tolist()
-        if logprobs is not None:  # finite log-softmax of raw logits: entropy is one dot product per row
-            entropy = (-(probs.unsqueeze(1) @ logprobs.unsqueeze(2))).flatten().tolist()
+        if logprobs is not None:  # log-softmax of the raw (finite) logits: no 0 * -inf to guard
+            entropy = (-(probs * logprobs).sum(-1)).tolist()
         else:
             entropy = (-torch.special.xlogy(probs, probs).sum(-1)).tolist()  # 0 log 0 = 0
         for r, (v, i) in enumerate(zip(vals.tolist(), ids.tolist())):
