@@ -1,6 +1,6 @@
 """Speculative sampling keeps the target's distribution: tested, not assumed.
 
-Engine level (tiny-random-sp, vocabulary 400): 20,000 seeded requests sample their first tokens with
+Engine level (tiny-random-sp, vocabulary 400): 10,000 seeded requests sample their first tokens with
 and without speculation; a chi-square test on each position finds no difference (p > 0.001), at
 temperature 1 and with top-p, and it does find one when the acceptance rule is deliberately wrong.
 The drafter is a flatter copy of the target (its head scaled by 0.5, so q = the target at
@@ -24,7 +24,7 @@ from workbench.engine.sampler import Sampler, SamplingBatchInfo
 from workbench.engine.sampling_params import SamplingParams
 from workbench.engine.spec_verify import sampler_draw, verify_sampled
 
-N = 20_000
+N = 10_000
 GROUP = 125  # requests with n=GROUP siblings share one prompt prefill
 POSITIONS = 4  # output positions compared: the prefill's token, then k = 2 drafts verified and one more
 PROMPT = "The quick brown fox"
