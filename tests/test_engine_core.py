@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workbench.engine.engine import Engine
+from workbench.engine.engine import Engine, StepFailed
 from workbench.engine.memory import TokenToKVPoolAllocator
 from workbench.engine.sampling_params import SamplingParams
 
@@ -82,6 +82,34 @@ def test_small_pool_finishes_without_thrashing(tiny, chunk_size):
     assert sum(o.timings["preemptions"] for o in outs) > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in want]
     assert engine.memory.allocator.available_size() == engine.memory.allocator.size
+
+
+def test_a_failing_step_ends_its_requests_frees_their_kv_and_the_engine_goes_on(tiny):
+    engine = Engine(tiny, trace_level="summary")
+    forward, calls = engine.runner.forward, []
+
+    def flaky(fb):
+        calls.append(fb.forward_mode)
+        if len(calls) == 3:  # the prefill and one decode succeed, then a step fails mid-forward
+            raise RuntimeError("injected failure")
+        return forward(fb)
+
+    engine.runner.forward = flaky
+    ids = [engine.add_request(p, GREEDY)[0] for p in PROMPTS[:3]]
+    with pytest.raises(StepFailed, match="failed in step 3 .RuntimeError.") as failure:
+        while engine.has_work():
+            engine.step()
+    assert sorted(failure.value.affected) == sorted(ids)
+    for rid in ids:
+        out = engine.finished[rid]
+        assert out.finish_reason == "abort" and "RuntimeError" in out.error and len(out.token_ids) == 2
+    # the slots the failed step had allocated for its new tokens came back too
+    assert engine.memory.allocator.available_size() == engine.memory.allocator.size
+    assert engine.memory.req_to_token_pool.available_size() == engine.memory.req_to_token_pool.size
+    errors = [e for e in engine.memory_sink.events if e.kind == "error"]
+    assert len(errors) == 1 and sorted(errors[0].affected) == sorted(ids)
+    again = engine.generate(PROMPTS[0], GREEDY)[0]
+    assert again.token_ids == Engine(tiny, trace_level="off").generate(PROMPTS[0], GREEDY)[0].token_ids
 
 
 def test_request_that_can_never_fit_is_refused(tiny):

@@ -37,6 +37,16 @@ from workbench.trace.recorder import MemorySink, Tracer
 Prompt = str | list[dict[str, str]]
 
 
+class StepFailed(RuntimeError):
+    """A step failed inside the forward pass or the sampler. The engine has already ended the
+    requests of that step (`affected`, finish reason "abort" with `error` set) and freed their KV;
+    it keeps serving everything else."""
+
+    def __init__(self, message: str, affected: list[str]) -> None:
+        super().__init__(message)
+        self.affected = affected
+
+
 class Engine:
     def __init__(self, model: str | LoadedModel = "smollm2", *, device: str = "auto", dtype: str | None = None,
                  max_batch_tokens: int = 2048, chunk_size: int = 512, kv_tokens: int | None = None,
@@ -170,8 +180,16 @@ class Engine:
             return results
         if self.spec is not None and batch.mode is ForwardMode.DECODE:
             return results + self.spec.step(batch)
+        try:
+            return results + self._run_batch(batch, clock)
+        except Exception as exc:
+            raise self._fail_step(batch, exc) from exc
+
+    def _run_batch(self, batch, clock: StepClock) -> list[StepOutput]:
+        """Forward, sample and process one scheduled batch (not speculative)."""
+        self._step_fb, self._step_kv_counted = None, False
         t0 = time.perf_counter()
-        fb = build_forward_batch(batch.mode, batch.rows(), self.memory, self.device)
+        fb = self._step_fb = build_forward_batch(batch.mode, batch.rows(), self.memory, self.device)
         sample_reqs = [batch.reqs[i] for i in fb.logits_owner]
         fb.sampling_info = SamplingBatchInfo.build(sample_reqs, self.vocab_size, self.device,
                                                    eos_token_ids=self.outputs.eos_token_ids)
@@ -183,6 +201,7 @@ class Engine:
             chunk.req.kv_len += chunk.length
         for req in batch.decode:
             req.kv_len += 1
+        self._step_kv_counted = True
         if self.spec is not None:
             self.spec.on_extend(batch)  # a draft model prefills the same chunks
         logits = self._after_prefill(batch.prefill, fb, logits)  # [num_sampled, vocab]
@@ -192,7 +211,7 @@ class Engine:
         if not sample_reqs:  # only mid-prompt chunks ran: nothing to sample this step
             if self.tracer.on:
                 self.tracer.emit(tracing.forward_done_event(self, fb, t1 - t0, 0.0))
-            return results + self._finish_scored(batch.prefill)
+            return self._finish_scored(batch.prefill)
         sample = self.sampler(logits, fb.sampling_info, self.trace_topk if self.tracer.on else 0)
         t2 = clock.sampled = time.perf_counter()
         if self.tracer.on:
@@ -200,7 +219,24 @@ class Engine:
             tracing.emit_sampling(self, sample_reqs, logits, sample)
         new_tokens = {req.req_id: [tok] for req, tok in zip(sample_reqs, sample.next_token_ids, strict=True)}
         self.outputs.append_tokens(sample_reqs, sample, self.step_no)
-        return results + self._process_outputs(sample_reqs, new_tokens) + self._finish_scored(batch.prefill)
+        return self._process_outputs(sample_reqs, new_tokens) + self._finish_scored(batch.prefill)
+
+    def _fail_step(self, batch, exc: Exception) -> StepFailed:
+        """End every request of a failed step with an error and free all of its KV, including the
+        slots this step allocated but never filled; the engine goes on with the other requests."""
+        fb = self._step_fb
+        if fb is not None and not self._step_kv_counted:
+            self.memory.allocator.free(fb.out_cache_loc)  # not yet part of any request's kv_len
+        message = f"the engine failed in step {self.step_no} ({type(exc).__name__})"
+        affected = []
+        for req in dict.fromkeys(batch.reqs):
+            if not req.finished:
+                req.error = message
+                self._finish(req, "abort", {"type": "error", "message": message}, None)
+                affected.append(req.req_id)
+        if self.tracer.on:
+            self.tracer.emit(tracing.error_event(self, message, affected))
+        return StepFailed(message, affected)
 
     def _after_prefill(self, prefill: list, fb: ForwardBatch, logits: torch.Tensor) -> torch.Tensor:
         """Store prompt logprobs from the extra logits rows; let n > 1 siblings copy a finished prompt's
@@ -363,4 +399,4 @@ def _progress(enabled: bool, total: int):
     return tqdm(total=total, disable=not enabled, desc="generating", unit="tok")
 
 
-__all__ = ["Engine", "Tracer"]
+__all__ = ["Engine", "StepFailed", "Tracer"]

@@ -60,6 +60,7 @@ class SamplingBatchInfo:
     bias: LogitBias | None
     grammar: tuple[torch.Tensor, list[int]] | None  # (bitmask [R, ceil(V/32)] int32, constrained rows)
     need_top_logprobs: int
+    wants_logprobs: bool  # some row asked for logprobs, top logprobs or named token logprobs
     token_ids_logprob: list[tuple[int, ...]]
 
     @classmethod
@@ -83,6 +84,7 @@ class SamplingBatchInfo:
             ban=TokenBan.build(reqs, pre, eos_token_ids, device), bias=LogitBias.build(reqs, device),
             grammar=grammar_mod.grammar_bitmask([r.grammar for r in reqs], pre, vocab_size),
             need_top_logprobs=max((p.top_logprobs for p in ps), default=0),
+            wants_logprobs=any(p.logprobs or p.top_logprobs or p.token_ids_logprob for p in ps),
             token_ids_logprob=[tuple(p.token_ids_logprob) for p in ps])
 
     @property
@@ -130,12 +132,12 @@ class SamplingBatchInfo:
 @dataclass(slots=True)
 class SamplerOutput:
     next_token_ids: list[int]
-    logprobs: list[float]  # of the chosen token, in each row's logprobs_mode
+    logprobs: list[float]  # of the chosen token, in each row's logprobs_mode (NaN when untraced and unasked)
     ranks: list[int]
     top_logprobs: list[list[tuple[int, float]]]
     draws: list[float | None]  # the uniform each row used (None for greedy rows)
     stages: list[list[dict[str, Any]]] | None  # per row, one dict per stage (when traced)
-    raw_logprobs: torch.Tensor  # [R, V] log-softmax of the model's logits
+    raw_logprobs: torch.Tensor | None  # [R, V] log-softmax of the model's logits (None: not computed)
     token_ids_logprobs: list[dict[int, float]]
 
 
@@ -313,8 +315,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo, trace_topk: int = 0) -> SamplerOutput:
         """Sample one token per row of `logits` `[R, V]`; record stages when `trace_topk > 0`."""
         logits = logits.float()
-        raw_lp = torch.log_softmax(logits, dim=-1)
         rows = logits.shape[0]
+        if not (trace_topk or info.wants_logprobs or info.needs_stages):
+            # untraced greedy rows nobody asked logprobs of: the argmax is all (as vLLM does)
+            ids = logits.argmax(dim=-1)
+            return SamplerOutput(ids.tolist(), [math.nan] * rows, [0] * rows, [[] for _ in range(rows)],
+                                 [None] * rows, None, None, [{} for _ in range(rows)])
+        raw_lp = torch.log_softmax(logits, dim=-1)
         recorder = StageRecorder(trace_topk, logits, info, raw_lp) if trace_topk and rows else None
         if info.needs_stages or (recorder is not None and info.any_stage_applied()):
             final = self.process(logits, info, recorder)

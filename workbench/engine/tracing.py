@@ -170,3 +170,8 @@ def stamp_event(engine: Engine, req_id: str, stage: str, detail: dict[str, Any],
 
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
+
+
+def error_event(engine: Engine, message: str, affected: list[str]) -> ev.EngineError:
+    return ev.EngineError(step=engine.step_no, t=_now(), message=message, affected=affected)
+

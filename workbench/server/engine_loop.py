@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from workbench.engine.engine import StepFailed
 from workbench.engine.output import RequestOutput, StepOutput, TokenLogprob
 from workbench.engine.sampling_params import SamplingParams
 from workbench.server.output_buffer import OutputBuffer, StreamLimits
@@ -290,7 +291,11 @@ class EngineLoop:
         self.failures += 1
         log.error("engine step failed", exc_info=exc)
         sched = self.engine.scheduler
-        affected = [r.req_id for r in sched.running] or [r.req_id for r in sched.waiting]
+        if isinstance(exc, StepFailed):  # the engine already ended that step's requests and freed their KV
+            affected = exc.affected
+            exc = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+        else:
+            affected = [r.req_id for r in sched.running] or [r.req_id for r in sched.waiting]
         message = f"the engine failed while running this request ({type(exc).__name__})"
         for rid in affected:
             self.engine.abort(rid, "engine error")
