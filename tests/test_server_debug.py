@@ -167,3 +167,18 @@ def test_stopping_the_server_finishes_its_trace_file(tmp_path):
     with open_trace(path) as trace:
         assert trace.finished
         assert [e.req_id for e in trace.events(kind="request.finished")] == [done["id"]]
+
+
+def test_stream_limit_flags_reach_the_engine_loop_and_bad_ones_name_the_flag():
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--model", MODEL, "--device", "cpu", "--stream-buffer-bytes", "4096",
+                              "--send-timeout", "0"])
+    engine, app = build_server(args)
+    limits = app.state.workbench.loop.limits
+    assert (limits.max_buffer_bytes, limits.send_timeout) == (4096, None)  # 0 means no limit
+    engine.close()
+    for flags, name in ((["--stream-buffer-bytes", "0"], "--stream-buffer-bytes: max_buffer_bytes must be an integer >= 1"),
+                        (["--send-timeout", "-1"], "--send-timeout: send_timeout must be a number of seconds > 0")):
+        with pytest.raises(ValueError, match=name):
+            build_server(parser.parse_args(["--model", MODEL, "--device", "cpu", *flags]))

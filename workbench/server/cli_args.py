@@ -37,6 +37,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-max-tokens", type=int, default=1024, help="chat max_tokens when not given")
     parser.add_argument("--graceful-timeout", type=float, default=10.0,
                         help="seconds running requests get to finish on shutdown")
+    parser.add_argument("--stream-buffer-bytes", type=int, default=4 << 20,
+                        help="unsent output one streaming request may hold for a slow client before it is aborted")
+    parser.add_argument("--send-timeout", type=float, default=60.0,
+                        help="seconds one blocked write may take before the request is aborted (0: no limit)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -54,7 +58,15 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
     from workbench.engine.engine import Engine
     from workbench.server.app import create_app
     from workbench.server.event_hub import EventHub
+    from workbench.server.output_buffer import StreamLimits
 
+    # a bad flag is refused, naming it and its allowed range, before the model loads
+    try:
+        limits = StreamLimits(max_buffer_bytes=getattr(args, "stream_buffer_bytes", 4 << 20),
+                              send_timeout=getattr(args, "send_timeout", 60.0) or None)
+    except ValueError as exc:
+        flag = "--stream-buffer-bytes" if "max_buffer_bytes" in str(exc) else "--send-timeout"
+        raise ValueError(f"{flag}: {exc}") from None
     hub = EventHub()
     sinks: list[Any] = [hub]
     writer, trace_dir = None, None
@@ -70,7 +82,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
                     max_running=args.max_running, kv_tokens=args.kv_tokens)
     app = create_app(engine, model_name=args.served_model_name or args.model, hub=hub, trace_dir=trace_dir,
                      trace_writer=writer, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     default_max_tokens=args.default_max_tokens, close_engine=True)
+                     default_max_tokens=args.default_max_tokens, close_engine=True, stream_limits=limits)
     return engine, app
 
 
@@ -80,7 +92,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if not _is_loopback(args.host) and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use the engine",
                     args.host)
-    engine, app = build_server(args)
+    try:
+        engine, app = build_server(args)
+    except ValueError as exc:
+        print(f"workbench serve: error: {exc}", file=sys.stderr)
+        return 2
     state = app.state.workbench
 
     class DrainingServer(uvicorn.Server):
