@@ -84,8 +84,9 @@ def test_small_pool_finishes_without_thrashing(tiny, chunk_size):
     assert engine.memory.allocator.available_size() == engine.memory.allocator.size
 
 
-def test_a_failing_step_ends_its_requests_frees_their_kv_and_the_engine_goes_on(tiny):
-    engine = Engine(tiny, trace_level="summary")
+@pytest.mark.parametrize("spec", [None, "ngram:k=2"])
+def test_a_failing_step_ends_its_requests_frees_their_kv_and_the_engine_goes_on(tiny, spec):
+    engine = Engine(tiny, trace_level="summary", spec=spec)
     forward, calls = engine.runner.forward, []
 
     def flaky(fb):
@@ -102,7 +103,8 @@ def test_a_failing_step_ends_its_requests_frees_their_kv_and_the_engine_goes_on(
     assert sorted(failure.value.affected) == sorted(ids)
     for rid in ids:
         out = engine.finished[rid]
-        assert out.finish_reason == "abort" and "RuntimeError" in out.error and len(out.token_ids) == 2
+        assert out.finish_reason == "abort" and "RuntimeError" in out.error
+        assert len(out.token_ids) == 2 if spec is None else len(out.token_ids) >= 2  # a verify may accept more
     # the slots the failed step had allocated for its new tokens came back too
     assert engine.memory.allocator.available_size() == engine.memory.allocator.size
     assert engine.memory.req_to_token_pool.available_size() == engine.memory.req_to_token_pool.size

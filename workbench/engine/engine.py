@@ -178,16 +178,18 @@ class Engine:
             self.tracer.emit(tracing.schedule_event(self, batch))
         if batch.mode is ForwardMode.IDLE:
             return results
-        if self.spec is not None and batch.mode is ForwardMode.DECODE:
-            return results + self.spec.step(batch)
+        # the step's ForwardBatch and whether its KV slots already count in the requests' kv_len:
+        # what a failure has to free (set by _run_batch or the speculative worker)
+        self._step_fb, self._step_kv_counted = None, False
         try:
+            if self.spec is not None and batch.mode is ForwardMode.DECODE:
+                return results + self.spec.step(batch)
             return results + self._run_batch(batch, clock)
         except Exception as exc:
             raise self._fail_step(batch, exc) from exc
 
     def _run_batch(self, batch, clock: StepClock) -> list[StepOutput]:
         """Forward, sample and process one scheduled batch (not speculative)."""
-        self._step_fb, self._step_kv_counted = None, False
         t0 = time.perf_counter()
         fb = self._step_fb = build_forward_batch(batch.mode, batch.rows(), self.memory, self.device)
         sample_reqs = [batch.reqs[i] for i in fb.logits_owner]

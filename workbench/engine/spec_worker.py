@@ -140,7 +140,7 @@ class SpecWorker:
         rows += [RowSpec(r.req_id, r.req_pool_idx, r.kv_len, [r.fill_ids[-1]], 1) for r in plain]
         row_reqs += plain
         mode = ForwardMode.TARGET_VERIFY if spec else ForwardMode.DECODE
-        fb = build_forward_batch(mode, rows, eng.memory, eng.device)
+        fb = eng._step_fb = build_forward_batch(mode, rows, eng.memory, eng.device)
         if eng.tracer.on:  # the per-row sampling summary of the trace (verification builds its own)
             prefixes = [d.tokens[:i] for _, d in spec for i in range(len(d.tokens) + 1)] + [[] for _ in plain]
             fb.sampling_info = SamplingBatchInfo.build([row_reqs[i] for i in fb.logits_owner], eng.vocab_size,
@@ -150,6 +150,7 @@ class SpecWorker:
         logits = eng.runner.forward(fb)  # [sum(k_i + 1) + len(plain), vocab]
         for req in row_reqs:
             req.kv_len += 1
+        eng._step_kv_counted = True
         return fb, logits
 
     def _decode_plain(self, plain: list[Req], logits: torch.Tensor) -> dict[str, list[int]]:
