@@ -265,3 +265,13 @@ def test_a_repeat_with_nothing_before_it_is_a_clear_error(tmp_path: Path) -> Non
     conn.close()
     with pytest.raises(TraceError, match="corrupt event .*first stage cannot repeat"):
         list(open_trace(path).events(kind="sampling"))
+
+
+def test_a_verify_step_counts_requests_not_packed_rows(tmp_path: Path) -> None:
+    path = tmp_path / "v.wbtrace"
+    with TraceWriter(path) as w:  # k = 2: each request's last token and two drafts, one row each
+        w.write(ev.ForwardBatchBuilt(step=1, t=1.0, forward_mode="TARGET_VERIFY", batch_size=6,
+                                     req_ids=["a", "a", "a", "b", "b", "b"], input_ids=[1, 2, 3, 4, 5, 6]))
+        w.write(ev.ForwardDone(step=1, t=1.1, forward_mode="TARGET_VERIFY", batch_size=6, num_tokens=6))
+    (step,) = open_trace(path).steps()
+    assert (step.batch_size, step.num_tokens, step.req_ids) == (2, 6, ("a", "b"))

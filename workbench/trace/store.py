@@ -200,7 +200,10 @@ class StepSummary:
                 self._merge_ids(prefill + list(p.get("decode", [])))
         elif kind == "forward_batch":
             self.mode = self.mode or p.get("forward_mode")
-            self.batch_size = max(self.batch_size, int(p.get("batch_size") or 0))
+            # requests, not rows: a verify forward packs each request's k+1 positions as k+1 rows
+            ids = p.get("req_ids")
+            rows = len(set(map(str, ids))) if isinstance(ids, list) and ids else int(p.get("batch_size") or 0)
+            self.batch_size = max(self.batch_size, rows)
             self.num_tokens = max(self.num_tokens, len(p.get("input_ids") or ()))
             if not self._batch_ids_from_forward:
                 self.req_ids, self._batch_ids_from_forward = [], True
@@ -208,7 +211,8 @@ class StepSummary:
         elif kind == "forward":
             self.mode = self.mode or p.get("forward_mode")
             self.forward_ms += float(p.get("forward_ms") or 0.0)
-            self.batch_size = max(self.batch_size, int(p.get("batch_size") or 0))
+            if not self._batch_ids_from_forward:  # the ForwardBatch's request ids count better than rows
+                self.batch_size = max(self.batch_size, int(p.get("batch_size") or 0))
             self.num_tokens = max(self.num_tokens, int(p.get("num_tokens") or 0))
         elif kind == "kv":
             self.kv_used, self.kv_total = p.get("kv_used"), p.get("kv_total")
