@@ -30,12 +30,13 @@ def chat_prompts(n: int) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": TASKS[i % 2].format(TOPICS[i % len(TOPICS)])}] for i in range(n)]
 
 
-def bench_engine(loaded, prompts, new: int, trace_level: str = "off", trace_path: str | None = None) -> dict:
+def bench_engine(loaded, prompts, new: int, trace_level: str = "off", trace_path: str | None = None,
+                 **engine_kwargs) -> dict:
     from workbench.engine.engine import Engine
     from workbench.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
-    engine = Engine(loaded, trace=trace_path, trace_level=trace_level)
+    engine = Engine(loaded, trace=trace_path, trace_level=trace_level, **engine_kwargs)
     engine.generate(prompts[:2], params.replace(max_new_tokens=4))  # warm-up
     _sync(engine.device)
     t0 = time.perf_counter()
@@ -105,7 +106,8 @@ def main() -> None:
     loaded = load_model(args.model, device=args.device)
     prompts = chat_prompts(args.prompts)
     results: dict[str, dict] = {}
-    runs = [("engine (trace off)", lambda: bench_engine(loaded, prompts, args.new))]
+    runs = [("engine (trace off)", lambda: bench_engine(loaded, prompts, args.new)),
+            ("engine (trace off, prefix sharing)", lambda: bench_engine(loaded, prompts, args.new, prefix_sharing=True))]
     with tempfile.TemporaryDirectory() as tmp:
         for level in () if args.skip_trace else ("summary", "full"):
             path = os.path.join(tmp, f"{level}.wbtrace")

@@ -192,3 +192,20 @@ def test_latency_stages_add_up_to_end_to_end(tiny):
     stamps = [e for e in engine.memory_sink.of_kind("stamp") if e.req_id == out.req_id]
     assert [s.stage for s in stamps[:2]] == ["arrival", "tokenized"]
     assert sum(s.stage == "step" for s in stamps) == len(out.token_ids)
+
+
+def test_prefix_sharing_copies_a_shared_system_prompt_and_changes_no_token(tiny):
+    chats = [[{"role": "user", "content": f"Tell me about {topic}."}] for topic in ("cats", "the sea", "jazz", "bread")]
+    chats.append([{"role": "user", "content": "x"}])  # shares the chat template's system prompt too
+    plain = Engine(tiny, trace_level="off").generate(chats, GREEDY)
+    engine = Engine(tiny, trace_level="summary", prefix_sharing=True)
+    shared = engine.generate(chats, GREEDY)
+    assert [o.token_ids for o in shared] == [o.token_ids for o in plain]
+    cached = [o.usage["cached_prompt_tokens"] for o in shared]
+    assert cached[0] == 0 and all(c >= 16 for c in cached[1:]), cached
+    # the copied prefix is not computed again: fewer prompt tokens go through the model
+    events = engine.memory_sink.events
+    prefilled = sum(c["length"] for e in events if e.kind == "schedule" for c in e.prefill)
+    assert prefilled == sum(o.usage["prompt_tokens"] for o in shared) - sum(cached)
+    assert any(e.kind == "kv" and "first" in e.reason and "prompt tokens' KV" in e.reason for e in events)
+    assert engine.memory.allocator.available_size() == engine.memory.allocator.size

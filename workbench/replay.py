@@ -120,7 +120,8 @@ def _build_engine(trace: Trace, engine_cfg: dict, device: str | None):
         raise ValueError(f"model {spec!r} has content hash {loaded.content_hash}, but the trace was recorded with "
                          f"{model_meta['hash']}: refusing to replay against a different model")
     sink = MemorySink()
-    keys = ("max_batch_tokens", "chunk_size", "kv_tokens", "max_running", "enable_mixed", "trace_topk", "seed", "spec")
+    keys = ("max_batch_tokens", "chunk_size", "kv_tokens", "max_running", "enable_mixed", "trace_topk", "seed", "spec",
+            "prefix_sharing")
     kwargs = {k: engine_cfg[k] for k in keys if k in engine_cfg}
     engine = Engine(loaded, trace_level=trace.meta.get("trace_level", "summary"), trace_sinks=[sink], **kwargs)
     return engine, sink

@@ -52,7 +52,7 @@ class Engine:
                  max_batch_tokens: int = 2048, chunk_size: int = 512, kv_tokens: int | None = None,
                  max_running: int = 64, enable_mixed: bool = True, trace: str | None = None,
                  trace_level: str = "summary", trace_topk: int = 10, trace_sinks: list | None = None,
-                 spec: Any = None, seed: int = 0) -> None:
+                 spec: Any = None, seed: int = 0, prefix_sharing: bool = False) -> None:
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded)
@@ -77,8 +77,9 @@ class Engine:
         self.config = {"model": self.loaded.spec, "device": self.device, "dtype": self.loaded.dtype,
                        "max_batch_tokens": max_batch_tokens, "chunk_size": chunk_size, "kv_tokens": kv_tokens,
                        "max_running": max_running, "enable_mixed": enable_mixed, "trace_topk": trace_topk,
-                       "seed": seed, "spec": spec if isinstance(spec, (str, dict, type(None))) else getattr(spec, "to_dict", spec.__str__)()}
+                       "seed": seed, "prefix_sharing": prefix_sharing, "spec": spec if isinstance(spec, (str, dict, type(None))) else getattr(spec, "to_dict", spec.__str__)()}
         self.trace_topk = trace_topk
+        self.prefix_sharing = prefix_sharing
         self.tracer = tracing.make_tracer(trace, trace_level, trace_sinks, self)
         self.spec = None
         if spec is not None:
@@ -250,14 +251,17 @@ class Engine:
                 continue
             src = chunk.req
             for sib in [r for r in self.scheduler.waiting if r.share_prefix_from is src]:
+                sibling = sib.share_len is None  # n > 1: the same prompt, its prompt logprobs too
                 slots = self.scheduler.fork_prefix(src, sib)
                 if slots is None:
                     continue
-                sib.prompt_logprobs, sib.prompt_ranks = list(src.prompt_logprobs), list(src.prompt_ranks)
-                sib.prompt_top_logprobs = list(src.prompt_top_logprobs)
+                if sibling:
+                    sib.prompt_logprobs, sib.prompt_ranks = list(src.prompt_logprobs), list(src.prompt_ranks)
+                    sib.prompt_top_logprobs = list(src.prompt_top_logprobs)
                 if self.tracer.on:
+                    what = "prompt" if sibling else f"first {len(slots)} prompt tokens'"
                     self.tracer.emit(tracing.kv_event(self, sib.req_id, "alloc", slots.tolist(),
-                                                      f"copy of {src.req_id}'s prompt KV", 0))
+                                                      f"copy of {src.req_id}'s {what} KV", 0))
         return logits[:num_sampled]
 
     def _finish_scored(self, prefill: list) -> list[StepOutput]:
@@ -323,6 +327,8 @@ class Engine:
         while not self._inbox.empty():
             req = self._inbox.get()
             req.arrival_step = self.step_no + 1
+            if self.prefix_sharing and req.share_prefix_from is None:
+                self.scheduler.share_prompt_prefix(req)
             self.scheduler.add(req)
             if self.tracer.on:
                 self.tracer.emit(tracing.request_added_event(self, req))

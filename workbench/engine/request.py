@@ -57,6 +57,7 @@ class Req:
     parent_id: str | None = None
     # n > 1: the sibling whose prompt KV this request copies once that sibling's prefill completes
     share_prefix_from: Req | None = None
+    share_len: int | None = None  # tokens of the prompt to copy from share_prefix_from (None: its prompt - 1)
     # per-request state owned by other stages (detokenizer, grammar matcher, tool parser, spec metrics)
     detok: Any = None
     grammar: Any = None

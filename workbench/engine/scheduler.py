@@ -163,12 +163,31 @@ class Scheduler:
             req.share_prefix_from = None  # the source ended before its prefill completed: prefill alone
         return req.share_prefix_from is not None
 
+    MIN_SHARED_PREFIX = 16  # shorter common prefixes are cheaper to recompute than to wait for
+
+    def share_prompt_prefix(self, req: Req) -> None:
+        """In-flight prefix sharing: when a request not yet prefilled (waiting, or mid-prefill) shares
+        at least MIN_SHARED_PREFIX leading prompt tokens with `req`, `req` waits for that prefill and
+        copies the shared KV instead of computing it (like n > 1 siblings). Requests asking for prompt
+        logprobs always compute their own prompt."""
+        if req.params.prompt_logprobs:
+            return
+        best, best_len = None, self.MIN_SHARED_PREFIX - 1
+        for src in [*self.running, *self.waiting]:
+            if src.output_ids or src.finished or src.params.prompt_logprobs:
+                continue  # already past its prefill: the hand-off happens when a prefill completes
+            n = _common_prefix_len(src.prompt_ids, req.prompt_ids, len(req.prompt_ids) - 1)
+            if n > best_len:
+                best, best_len = src, n
+        if best is not None:
+            req.share_prefix_from, req.share_len = best, best_len
+
     def fork_prefix(self, src: Req, dst: Req) -> torch.Tensor | None:
         """Give waiting `dst` a copy of `src`'s prompt KV except the last prompt token (which `dst`
         recomputes to get its own logits) in fresh slots, and move it to running. Returns the new
         slots, or None (then `dst` prefills by itself) when there is no room or nothing to share."""
         dst.share_prefix_from = None
-        n = len(src.prompt_ids) - 1
+        n = len(src.prompt_ids) - 1 if dst.share_len is None else min(dst.share_len, len(dst.prompt_ids) - 1)
         pool, alloc = self.memory.req_to_token_pool, self.memory.allocator
         if (dst not in self.waiting or src.req_pool_idx is None or src.kv_len < n or n < 1
                 or not pool.can_allocate() or alloc.available_size() - len(self.running) - 1 < n):
@@ -213,3 +232,13 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         return self.release(req)
+
+
+def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a[:limit], b[:limit]):
+        if x != y:
+            break
+        n += 1
+    return n
+
