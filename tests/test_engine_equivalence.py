@@ -55,3 +55,12 @@ def test_preemption_matches_transformers(model_and_refs):
     engine, outs = _run(loaded, kv_tokens=kv, chunk_size=128)
     assert sum(o.timings["preemptions"] for o in outs) > 0, "the pool was meant to force preemption"
     assert [o.token_ids for o in outs] == refs
+
+
+def test_prefix_sharing_matches_transformers(model_and_refs):
+    # The chat prompts share the template's system prompt: with prefix sharing most of them copy its
+    # KV from the first one's prefill instead of computing it, and the tokens must not change.
+    loaded, _, refs = model_and_refs
+    engine, outs = _run(loaded, prefix_sharing=True)
+    assert sum(o.usage["cached_prompt_tokens"] > 0 for o in outs) >= 4
+    assert [o.token_ids for o in outs] == refs
