@@ -98,9 +98,7 @@ class Scheduler:
         decode = [r for r in self.running if r.output_ids and r.seq_len - r.kv_len == 1]
         preempted = []
         while decode and not alloc.can_allocate(len(decode)):
-            victim = max(self.running, key=lambda r: r.queue_order)
-            self._preempt(victim)
-            preempted.append(victim)
+            victim = self._preempt_latest(preempted)
             decode = [r for r in decode if r is not victim]
         budget = self.max_batch_tokens
         decode = decode[:budget]
@@ -112,9 +110,7 @@ class Scheduler:
         # Partly prefilled requests can hold the whole pool between them with nothing decoding:
         # no request could ever move again. Recompute the latest arrival until one can.
         while not batch.prefill and not batch.decode and len(self.running) > 1:
-            victim = max(self.running, key=lambda r: r.queue_order)
-            self._preempt(victim)
-            batch.preempted.append(victim)
+            self._preempt_latest(batch.preempted)
             self._schedule_prefill(batch, budget)
         has_prefill, has_decode = bool(batch.prefill), bool(batch.decode)
         batch.mode = (ForwardMode.MIXED if has_prefill and has_decode else ForwardMode.EXTEND if has_prefill
@@ -220,6 +216,13 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         return freed
+
+    def _preempt_latest(self, preempted: list[Req]) -> Req:
+        """Preempt the running request admitted last (recomputed later); record it in `preempted`."""
+        victim = max(self.running, key=lambda r: r.queue_order)
+        self._preempt(victim)
+        preempted.append(victim)
+        return victim
 
     def _preempt(self, req: Req) -> None:
         self.release(req)
