@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(PY) -m workbench.cli demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -x --timeout=900 tests
+	$(PY) -m pytest -q --timeout=900 tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check workbench tui tests benchmarks

@@ -152,7 +152,8 @@ def test_live_page_draws_the_waterfall_when_a_stream_ends(server, browser):  # n
     assert "socket: first token written" in header and "forward" in header
     frames = page.evaluate("new Set([...document.querySelectorAll('.req .lat rect title')]"
                            ".map(t => t.textContent.split(' (')[0])).size")
-    assert sent >= 2 and frames == sent  # one row per frame that carried tokens
+    # one row per frame that carried tokens; on a busy machine all 8 tokens can arrive as one frame
+    assert sent >= 1 and frames == sent
     png = card.locator(".lat svg").screenshot()
     blue = page.evaluate(BLUE_PIXELS, "data:image/png;base64," + base64.b64encode(png).decode())
     assert blue > 100, blue  # the bars are drawn, not just present in the DOM
