@@ -47,6 +47,7 @@ class AttentionMeta:
     decode_start: int  # first token index of the decode rows (they are packed last)
     decode_kv_idx: torch.Tensor | None  # [num_decode, max_len] KV slots, 0-padded
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_len] bool, True = attend
+    decode_lens: torch.Tensor | None = None  # [num_decode] int64 KV length of each decode row
 
 
 @dataclass(slots=True)
@@ -134,4 +135,4 @@ def _decode_plan(rows: list[RowSpec], seq_lens: list[int], table: torch.Tensor, 
     lens = torch.tensor(seq_lens, dtype=torch.int64, device=table.device)
     valid = torch.arange(max_len, device=table.device)[None, :] < lens[:, None]  # [B, L]
     kv_idx = table[pool_idx, :max_len] * valid  # padded positions read slot 0
-    return AttentionMeta(extend_rows, decode_start, kv_idx, valid[:, None, None, :])
+    return AttentionMeta(extend_rows, decode_start, kv_idx, valid[:, None, None, :], lens)

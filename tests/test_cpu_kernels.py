@@ -1,0 +1,90 @@
+"""The native paged decode-attention kernel: same numbers as gathering the slots and calling
+`scaled_dot_product_attention`, the same greedy tokens in the engine, and a clean fallback where it
+cannot be built."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workbench.engine import cpu_kernels
+from workbench.engine.engine import Engine
+from workbench.engine.sampling_params import SamplingParams
+
+NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
+
+
+def _reference(q, k_pool, v_pool, idx, lens, scale):
+    b, length = idx.shape
+    kvh, d = k_pool.shape[1:]
+    k = k_pool.index_select(0, idx.reshape(-1)).view(b, length, kvh, d).transpose(1, 2)
+    v = v_pool.index_select(0, idx.reshape(-1)).view(b, length, kvh, d).transpose(1, 2)
+    mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :]
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)[:, :, 0]
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 1, 16)])
+def test_kernel_matches_gather_plus_sdpa(heads, kv_heads, head_dim):
+    assert cpu_kernels.available()
+    gen = torch.Generator().manual_seed(heads)
+    slots, batch, length = 500, 7, 40
+    k_pool = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    v_pool = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    lens = torch.tensor([1, 40, 17, 2, 39, 25, 8])
+    idx = torch.randint(1, slots, (batch, length), generator=gen) * (torch.arange(length)[None] < lens[:, None])
+    q = torch.randn(batch, heads, head_dim, generator=gen) * 3  # peaked softmax rows too
+    out = torch.full((batch, heads, head_dim), float("nan"))
+    assert cpu_kernels.decode_attention(q, k_pool, v_pool, idx, lens, out, head_dim ** -0.5)
+    torch.testing.assert_close(out, _reference(q, k_pool, v_pool, idx, lens, head_dim ** -0.5), atol=2e-6, rtol=1e-5)
+
+
+def test_kernel_declines_what_it_does_not_read():
+    q = torch.randn(2, 4, 8, dtype=torch.float64)
+    pool = torch.randn(10, 2, 8, dtype=torch.float64)
+    idx, lens = torch.ones(2, 3, dtype=torch.int64), torch.tensor([3, 2])
+    assert not cpu_kernels.decode_attention(q, pool, pool, idx, lens, torch.empty_like(q), 0.3)  # float64
+    q32, pool32 = q.float(), pool.float()
+    strided = torch.randn(2, 8, 4).transpose(1, 2)  # not contiguous
+    assert not cpu_kernels.decode_attention(strided, pool32, pool32, idx, lens, torch.empty(2, 4, 8), 0.3)
+    assert not cpu_kernels.decode_attention(q32[:, :3], pool32, pool32, idx, lens, torch.empty(2, 3, 8), 0.3)
+
+
+@pytest.fixture
+def kernel_off(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_tried", True)
+
+
+def test_without_a_compiler_the_engine_falls_back_with_a_warning(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.warns(UserWarning, match="kernel unavailable, using torch"):
+        assert cpu_kernels.load() is None
+    q = torch.randn(1, 2, 4)
+    assert not cpu_kernels.decode_attention(q, torch.randn(3, 2, 4), torch.randn(3, 2, 4),
+                                            torch.ones(1, 2, dtype=torch.int64), torch.tensor([2]), q.clone(), 0.5)
+
+
+def _greedy(tiny, prompts):
+    with Engine(tiny, trace_level="off", chunk_size=16) as engine:
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True,
+                                                       logprobs=True))
+    return [o.token_ids for o in outs], [[t.logprob for t in o.logprobs] for o in outs]
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+def test_engine_tokens_and_logprobs_agree_with_and_without_the_kernel(tiny, monkeypatch):
+    prompts = ["The quick brown fox", "a" * 120, [{"role": "user", "content": "Name three rivers."}]]
+    assert cpu_kernels.available()
+    with_kernel = _greedy(tiny, prompts)
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    without = _greedy(tiny, prompts)
+    assert with_kernel[0] == without[0]
+    for a, b in zip(with_kernel[1], without[1], strict=True):
+        assert a == pytest.approx(b, abs=1e-4)

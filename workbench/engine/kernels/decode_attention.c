@@ -1,0 +1,76 @@
+/* Paged decode attention for CPU, float32: one query token per request, reading K/V straight from
+ * the engine's KV pool through each request's slot indices (no gather copy).
+ *
+ * q    [B, H, D]           the decode rows' queries, contiguous
+ * k, v [slots, KVH, D]     one layer of the KV pool, contiguous
+ * idx  [B, idx_stride]     KV slot of each cached position (int64), first lens[b] are valid
+ * out  [B, H, D]           written; may be a slice of a larger contiguous tensor
+ * Query head j attends with KV head j / (H / KVH) (transformers' repeat_kv).
+ * Softmax in float32 with the running max subtracted, like scaled_dot_product_attention.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int wb_decode_attention(const float *q, const float *k, const float *v, const int64_t *idx,
+                        int64_t idx_stride, const int64_t *lens, float *out, int64_t B, int64_t H,
+                        int64_t KVH, int64_t D, float scale) {
+    const int64_t G = H / KVH;
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+    int failed = 0;
+#pragma omp parallel
+    {
+        /* one task per request: each KV row (all heads, contiguous) is read once */
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(H * (max_len > 0 ? max_len : 1)));
+        float *acc = (float *)malloc(sizeof(float) * (size_t)(H * D));
+        if (!scores || !acc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < B; b++) {
+            if (!scores || !acc) continue;
+            const int64_t L = lens[b];
+            const int64_t *slots = idx + b * idx_stride;
+            const float *qb = q + b * H * D;
+            for (int64_t l = 0; l < L; l++) {
+                const float *kp = k + slots[l] * KVH * D;
+                for (int64_t j = 0; j < H; j++) {
+                    const float *qj = qb + j * D, *kj = kp + (j / G) * D;
+                    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                    for (int64_t d = 0; d < D; d++) s += qj[d] * kj[d];
+                    scores[j * L + l] = s * scale;
+                }
+            }
+            for (int64_t j = 0; j < H; j++) {
+                float *sj = scores + j * L;
+                float m = -INFINITY;
+                for (int64_t l = 0; l < L; l++) m = sj[l] > m ? sj[l] : m;
+                float sum = 0.f;
+                for (int64_t l = 0; l < L; l++) {
+                    sj[l] = expf(sj[l] - m);
+                    sum += sj[l];
+                }
+                const float inv = 1.f / sum;
+                for (int64_t l = 0; l < L; l++) sj[l] *= inv;
+            }
+            memset(acc, 0, sizeof(float) * (size_t)(H * D));
+            for (int64_t l = 0; l < L; l++) {
+                const float *vp = v + slots[l] * KVH * D;
+                for (int64_t j = 0; j < H; j++) {
+                    const float p = scores[j * L + l], *vj = vp + (j / G) * D;
+                    float *aj = acc + j * D;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) aj[d] += p * vj[d];
+                }
+            }
+            memcpy(out + b * H * D, acc, sizeof(float) * (size_t)(H * D));
+        }
+        free(scores);
+        free(acc);
+    }
+    return failed ? -1 : 0;
+}
