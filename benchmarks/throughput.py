@@ -31,12 +31,22 @@ def chat_prompts(n: int) -> list[list[dict[str, str]]]:
 
 
 def bench_engine(loaded, prompts, new: int, trace_level: str = "off", trace_path: str | None = None,
-                 **engine_kwargs) -> dict:
+                 cpu_kernel: bool = True, **engine_kwargs) -> dict:
+    from workbench.engine import cpu_kernels
     from workbench.engine.engine import Engine
     from workbench.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
-    engine = Engine(loaded, trace=trace_path, trace_level=trace_level, **engine_kwargs)
+    lib = cpu_kernels.load()
+    if not cpu_kernel:
+        cpu_kernels._lib = None  # the torch gather + sdpa path, for comparison
+    try:
+        return _bench_engine(Engine(loaded, trace=trace_path, trace_level=trace_level, **engine_kwargs), prompts,
+                             SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True))
+    finally:
+        cpu_kernels._lib = lib
+
+
+def _bench_engine(engine, prompts, params) -> dict:
     engine.generate(prompts[:2], params.replace(max_new_tokens=4))  # warm-up
     _sync(engine.device)
     t0 = time.perf_counter()
@@ -107,7 +117,10 @@ def main() -> None:
     prompts = chat_prompts(args.prompts)
     results: dict[str, dict] = {}
     runs = [("engine (trace off)", lambda: bench_engine(loaded, prompts, args.new)),
-            ("engine (trace off, prefix sharing)", lambda: bench_engine(loaded, prompts, args.new, prefix_sharing=True))]
+            ("engine (trace off, no prefix sharing)",
+             lambda: bench_engine(loaded, prompts, args.new, prefix_sharing=False)),
+            ("engine (trace off, no sharing, torch attention)",
+             lambda: bench_engine(loaded, prompts, args.new, prefix_sharing=False, cpu_kernel=False))]
     with tempfile.TemporaryDirectory() as tmp:
         for level in () if args.skip_trace else ("summary", "full"):
             path = os.path.join(tmp, f"{level}.wbtrace")
@@ -124,17 +137,17 @@ def main() -> None:
         # contender instead of whichever happened to run at that moment.
         for name, fn in tqdm(runs * args.repeat, desc="benchmarks", unit="run"):
             r = fn()
-            tqdm.write(f"{name:45s} {r['tok_s']:8.1f} tok/s ({r['seconds']:.1f} s)")
+            tqdm.write(f"{name:50s} {r['tok_s']:8.1f} tok/s ({r['seconds']:.1f} s)")
             if name not in results or r["tok_s"] > results[name]["tok_s"]:
                 results[name] = r
     base = results["engine (trace off)"]["tok_s"]
     print(f"\n{args.prompts} chat prompts, greedy, {args.new} new tokens, {args.model}, {args.device} {loaded.dtype}, "
           f"best of {args.repeat}, load average {os.getloadavg()[0]:.1f}, "
           f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-    print(f"{'run':45s} {'tok/s':>8s} {'engine / this':>14s}")
+    print(f"{'run':50s} {'tok/s':>8s} {'engine / this':>14s}")
     for name, r in results.items():
         extra = f"  trace {r['trace_bytes'] / r['tokens']:.0f} B/token" if "trace_bytes" in r else ""
-        print(f"{name:45s} {r['tok_s']:8.1f} {base / r['tok_s']:13.2f}x{extra}")
+        print(f"{name:50s} {r['tok_s']:8.1f} {base / r['tok_s']:13.2f}x{extra}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
 

@@ -41,7 +41,8 @@ def real_trace(tmp_path_factory: pytest.TempPathFactory) -> Recorded:
     from workbench.engine.sampling_params import SamplingParams
 
     path = tmp_path_factory.mktemp("tui_real") / "smollm2.wbtrace"
-    with Engine("smollm2", trace=str(path), spec="ngram:k=4") as engine:
+    # without prefix sharing both chats prefill in the same first step, the scene the snapshots show
+    with Engine("smollm2", trace=str(path), spec="ngram:k=4", prefix_sharing=False) as engine:
         outputs = engine.generate(CHATS, [SamplingParams(temperature=0, max_new_tokens=40),
                                           SamplingParams(temperature=0, max_new_tokens=40, stop=["Friday"])])
     with open_trace(path) as trace:

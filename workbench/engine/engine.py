@@ -52,7 +52,7 @@ class Engine:
                  max_batch_tokens: int = 2048, chunk_size: int = 512, kv_tokens: int | None = None,
                  max_running: int = 64, enable_mixed: bool = True, trace: str | None = None,
                  trace_level: str = "summary", trace_topk: int = 10, trace_sinks: list | None = None,
-                 spec: Any = None, seed: int = 0, prefix_sharing: bool = False) -> None:
+                 spec: Any = None, seed: int = 0, prefix_sharing: bool = True) -> None:
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded)
