@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -135,19 +136,28 @@ def main() -> None:
                                                      dtype)))
         # Round-robin repeats, best of each: on a shared machine a burst of load then hits every
         # contender instead of whichever happened to run at that moment.
+        rounds: dict[str, list[float]] = {}
         for name, fn in tqdm(runs * args.repeat, desc="benchmarks", unit="run"):
             r = fn()
             tqdm.write(f"{name:50s} {r['tok_s']:8.1f} tok/s ({r['seconds']:.1f} s)")
+            rounds.setdefault(name, []).append(r["tok_s"])
             if name not in results or r["tok_s"] > results[name]["tok_s"]:
                 results[name] = r
+    for name, r in results.items():
+        r["rounds_tok_s"] = rounds[name]
     base = results["engine (trace off)"]["tok_s"]
     print(f"\n{args.prompts} chat prompts, greedy, {args.new} new tokens, {args.model}, {args.device} {loaded.dtype}, "
           f"best of {args.repeat}, load average {os.getloadavg()[0]:.1f}, "
           f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-    print(f"{'run':50s} {'tok/s':>8s} {'engine / this':>14s}")
+    # The same-round ratio compares runs a minute apart, so a drift of the machine's speed between
+    # rounds cancels out; its median over rounds is the figure to quote on a noisy machine.
+    print(f"{'run':50s} {'tok/s':>8s} {'engine / this':>14s} {'same-round median':>18s}")
     for name, r in results.items():
         extra = f"  trace {r['trace_bytes'] / r['tokens']:.0f} B/token" if "trace_bytes" in r else ""
-        print(f"{name:50s} {r['tok_s']:8.1f} {base / r['tok_s']:13.2f}x{extra}")
+        ratios = [a / b for a, b in zip(rounds["engine (trace off)"], rounds[name], strict=True)]
+        r["same_round_ratio_median"] = statistics.median(ratios)
+        print(f"{name:50s} {r['tok_s']:8.1f} {base / r['tok_s']:13.2f}x {statistics.median(ratios):17.2f}x"
+              f"  ({', '.join(f'{x:.2f}' for x in ratios)}){extra}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
 
