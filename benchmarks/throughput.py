@@ -32,19 +32,17 @@ def chat_prompts(n: int) -> list[list[dict[str, str]]]:
 
 
 def bench_engine(loaded, prompts, new: int, trace_level: str = "off", trace_path: str | None = None,
-                 cpu_kernel: bool = True, **engine_kwargs) -> dict:
-    from workbench.engine import cpu_kernels
+                 cpu_kernels: bool = True, **engine_kwargs) -> dict:
+    from workbench.engine import cpu_kernels as kernels
     from workbench.engine.engine import Engine
     from workbench.engine.sampling_params import SamplingParams
 
-    lib = cpu_kernels.load()
-    if not cpu_kernel:
-        cpu_kernels._lib = None  # the torch gather + sdpa path, for comparison
-    try:
-        return _bench_engine(Engine(loaded, trace=trace_path, trace_level=trace_level, **engine_kwargs), prompts,
-                             SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True))
-    finally:
-        cpu_kernels._lib = lib
+    engine = Engine(loaded, trace=trace_path, trace_level=trace_level, **engine_kwargs)
+    params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
+    if cpu_kernels:
+        return _bench_engine(engine, prompts, params)
+    with kernels.disabled(loaded.model):  # torch's gather + sdpa and F.linear, for comparison
+        return _bench_engine(engine, prompts, params)
 
 
 def _bench_engine(engine, prompts, params) -> dict:
@@ -120,8 +118,8 @@ def main() -> None:
     runs = [("engine (trace off)", lambda: bench_engine(loaded, prompts, args.new)),
             ("engine (trace off, no prefix sharing)",
              lambda: bench_engine(loaded, prompts, args.new, prefix_sharing=False)),
-            ("engine (trace off, no sharing, torch attention)",
-             lambda: bench_engine(loaded, prompts, args.new, prefix_sharing=False, cpu_kernel=False))]
+            ("engine (trace off, no sharing, no CPU kernels)",
+             lambda: bench_engine(loaded, prompts, args.new, prefix_sharing=False, cpu_kernels=False))]
     with tempfile.TemporaryDirectory() as tmp:
         for level in () if args.skip_trace else ("summary", "full"):
             path = os.path.join(tmp, f"{level}.wbtrace")

@@ -53,12 +53,6 @@ def test_kernel_declines_what_it_does_not_read():
     assert not cpu_kernels.decode_attention(q32[:, :3], pool32, pool32, idx, lens, torch.empty(2, 3, 8), 0.3)
 
 
-@pytest.fixture
-def kernel_off(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "_lib", None)
-    monkeypatch.setattr(cpu_kernels, "_tried", True)
-
-
 def test_without_a_compiler_the_engine_falls_back_with_a_warning(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernels, "_lib", None)
     monkeypatch.setattr(cpu_kernels, "_tried", False)
@@ -79,12 +73,44 @@ def _greedy(tiny, prompts):
 
 
 @pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
-def test_engine_tokens_and_logprobs_agree_with_and_without_the_kernel(tiny, monkeypatch):
+def test_engine_tokens_and_logprobs_agree_with_and_without_the_kernels(tiny):
     prompts = ["The quick brown fox", "a" * 120, [{"role": "user", "content": "Name three rivers."}]]
     assert cpu_kernels.available()
     with_kernel = _greedy(tiny, prompts)
-    monkeypatch.setattr(cpu_kernels, "_lib", None)
-    without = _greedy(tiny, prompts)
+    with cpu_kernels.disabled(tiny.model):
+        assert cpu_kernels.load() is None and not any(
+            isinstance(m.forward, cpu_kernels.PackedLinear) for m in tiny.model.modules())
+        without = _greedy(tiny, prompts)
+    assert cpu_kernels.load() is not None
     assert with_kernel[0] == without[0]
     for a, b in zip(with_kernel[1], without[1], strict=True):
         assert a == pytest.approx(b, abs=1e-4)
+
+
+def _linear_stack(seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(96, 200, bias=False), torch.nn.Linear(200, 64, bias=True)).eval()
+
+
+@pytest.mark.skipif(cpu_kernels.mkl() is None, reason="PACKED GEMM NOT CHECKED: this torch has no MKL packed sgemm")
+@pytest.mark.parametrize("rows", [1, 7, 16, 33, 200])
+def test_packed_linears_give_exactly_what_f_linear_gives(rows):
+    plain, packed = _linear_stack(0), _linear_stack(0)
+    assert cpu_kernels.pack_linears(packed) > 0
+    assert all(isinstance(m.forward, cpu_kernels.PackedLinear) for m in packed)
+    x = torch.randn(2, rows, 96) * 4
+    with torch.inference_mode():
+        assert torch.equal(packed(x), plain(x))  # bit for bit: greedy parity with transformers relies on it
+        assert torch.equal(packed(x[:, ::2]), plain(x[:, ::2]))  # a strided input is made contiguous first
+
+
+@pytest.mark.skipif(cpu_kernels.mkl() is None, reason="PACKED GEMM NOT CHECKED: this torch has no MKL packed sgemm")
+def test_packing_respects_its_memory_budget_and_runs_once():
+    model = _linear_stack(1)
+    assert cpu_kernels.pack_linears(model, budget_bytes=1000) == 0  # too big for the budget: untouched
+    assert not any(isinstance(m.forward, cpu_kernels.PackedLinear) for m in model)
+    first = cpu_kernels.pack_linears(model)
+    forwards = [m.forward for m in model]
+    assert first > 0 and cpu_kernels.pack_linears(model) == first  # a second Engine on the same model
+    assert [m.forward for m in model] == forwards
+    assert cpu_kernels.pack_linears(_linear_stack(2).double()) == 0  # float64: not packed

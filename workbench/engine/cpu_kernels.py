@@ -6,14 +6,22 @@ concurrent processes never load a half-written file), loading it, and the Python
 their shape checks. Without a compiler, or with `WORKBENCH_CPU_KERNELS=0`, `decode_attention()`
 returns False and the caller uses its torch path; nothing here is required.
 
-The one kernel today is paged decode attention (kernels/decode_attention.c): the torch path has to
-gather every decode row's K/V out of the pool into a dense copy per layer before
-`scaled_dot_product_attention`, which at batch 32 and a few hundred cached tokens costs as much as the
-attention itself; the kernel reads the pool in place through `req_to_token`.
+Two kernels:
+- Paged decode attention (kernels/decode_attention.c): the torch path has to gather every decode
+  row's K/V out of the pool into a dense copy per layer before `scaled_dot_product_attention`,
+  which at batch 32 and a few hundred cached tokens costs as much as the attention itself; the
+  kernel reads the pool in place through `req_to_token`.
+- Packed-weight GEMMs for `nn.Linear` (`pack_linears`): MKL's `cblas_sgemm_pack` lays each weight
+  out once at load for its GEMM kernel, and `cblas_sgemm_compute` then skips the packing that
+  `F.linear` redoes on every call; at 16 to 64 rows (a decode batch) that packing is a large share
+  of the GEMM. The MKL inside torch's CPU wheels exports both; where it does not, nothing changes.
+  Rows below `PACKED_MIN_ROWS` keep `F.linear` (MKL takes a different, GEMV-like path there), so
+  every result is the same as `F.linear`'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -23,6 +31,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -85,6 +94,113 @@ def load() -> ctypes.CDLL | None:
             [ctypes.c_int64] * 4 + [ctypes.c_float]
         _lib = lib
         return lib
+
+
+PACKED_MIN_ROWS = 16
+_ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
+_mkl: ctypes.CDLL | None = None
+_mkl_tried = False
+
+
+def mkl() -> ctypes.CDLL | None:
+    """torch's own MKL, for its packed sgemm API; None where torch was built without it."""
+    global _mkl, _mkl_tried
+    with _lock:
+        if _mkl_tried:
+            return _mkl
+        _mkl_tried = True
+        if os.environ.get(ENV_SWITCH, "1") == "0":
+            return None
+        try:
+            lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+            get_size, pack, compute = lib.cblas_sgemm_pack_get_size, lib.cblas_sgemm_pack, lib.cblas_sgemm_compute
+        except (OSError, AttributeError):
+            return None
+        get_size.restype = ctypes.c_size_t
+        get_size.argtypes = [ctypes.c_int] * 4
+        pack.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        compute.argtypes = [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                                 ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+        _mkl = lib
+        return lib
+
+
+class PackedLinear:
+    """The forward of one `nn.Linear` through its MKL-packed weight (CPU float32, 16 rows or more)."""
+
+    def __init__(self, lib: ctypes.CDLL, module: torch.nn.Linear) -> None:
+        weight = module.weight.detach()
+        self.out_features, self.in_features = weight.shape
+        self.lib, self.module, self.original = lib, module, module.forward
+        size = lib.cblas_sgemm_pack_get_size(_B_MATRIX, 64, self.out_features, self.in_features)
+        self.packed = torch.empty(size, dtype=torch.uint8)
+        lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 64, self.out_features, self.in_features, 1.0,
+                             weight.data_ptr(), self.in_features, self.packed.data_ptr())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features if x.shape[-1] == self.in_features else 0
+        if rows < PACKED_MIN_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
+            return self.original(x)
+        x2 = x.reshape(rows, self.in_features).contiguous()
+        y = torch.empty((*x.shape[:-1], self.out_features), dtype=torch.float32)
+        self.lib.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, rows, self.out_features, self.in_features,
+                                     x2.data_ptr(), self.in_features, self.packed.data_ptr(), self.in_features, 0.0,
+                                     y.data_ptr(), self.out_features)
+        return y if self.module.bias is None else y + self.module.bias
+
+
+def pack_linears(model: torch.nn.Module, budget_bytes: int | None = None) -> int:
+    """Route every CPU float32 `nn.Linear` of `model` through a packed weight (once per model).
+    Returns the bytes the packed copies take, 0 when nothing was packed: no MKL, another device or
+    dtype, or more than `budget_bytes` (default: a quarter of the memory available now)."""
+    if getattr(model, "_workbench_packed_bytes", None) is not None:
+        return model._workbench_packed_bytes
+    lib = mkl()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if lib is None or not linears or any(m.weight.device.type != "cpu" or m.weight.dtype != torch.float32
+                                         for m in linears):
+        return 0
+    need = sum(lib.cblas_sgemm_pack_get_size(_B_MATRIX, 64, *m.weight.shape) for m in linears)
+    if budget_bytes is None:
+        budget_bytes = _available_memory() // 4
+    if need > budget_bytes:
+        return 0
+    for m in linears:
+        m.forward = PackedLinear(lib, m)
+    model._workbench_packed_bytes = need
+    return need
+
+
+@contextlib.contextmanager
+def disabled(model: torch.nn.Module | None = None) -> Iterator[None]:
+    """The torch paths for a while (comparisons, benchmarks): decode attention by gather + sdpa and,
+    for `model`, `F.linear` instead of the packed weights."""
+    global _lib, _tried
+    with _lock:
+        saved = _lib, _tried
+        _lib, _tried = None, True
+    packers = [m.forward for m in (model.modules() if model is not None else ())
+               if isinstance(m, torch.nn.Linear) and isinstance(m.forward, PackedLinear)]
+    for p in packers:
+        p.module.forward = p.original
+    try:
+        yield
+    finally:
+        for p in packers:
+            p.module.forward = p
+        with _lock:
+            _lib, _tried = saved
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def available() -> bool:

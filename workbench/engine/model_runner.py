@@ -2,14 +2,15 @@
 
 Owns: switching the HF model to the "workbench" attention function, the packed forward call
 (`input_ids [1, N]`, per-token `position_ids`, `logits_to_keep` for the rows that need logits) and
-early-exit forwards for self-drafting. Does not own: KV allocation (forward_batch.py) or sampling.
+early-exit forwards for self-drafting, and on CPU float32 routing the model's `nn.Linear` layers
+through MKL-packed weights (`cpu_kernels.pack_linears`; the modules and weights are unchanged). Does not own: KV allocation (forward_batch.py) or sampling.
 """
 
 from __future__ import annotations
 
 import torch
 
-from workbench.engine import attention
+from workbench.engine import attention, cpu_kernels
 from workbench.engine.forward_batch import ForwardBatch
 from workbench.models.loader import LoadedModel
 
@@ -29,6 +30,8 @@ class ModelRunner:
         self.head_dim = int(getattr(self.config, "head_dim", None)
                             or self.config.hidden_size // self.config.num_attention_heads)
         self.max_context_len = int(getattr(self.config, "max_position_embeddings", 4096))
+        # CPU float32: nn.Linear through MKL-packed weights, same results as F.linear (cpu_kernels.py)
+        self.packed_bytes = cpu_kernels.pack_linears(self.model) if self.device == "cpu" else 0
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
