@@ -362,6 +362,8 @@ class Engine:
         while any(rid not in self.finished for rid in flat):
             for out in self.step():
                 bar.update(len(out.new_token_ids))
+        bar.total = bar.n  # requests that stopped early end the bar at 100%, not at n / max_new_tokens
+        bar.refresh()
         bar.close()
         self.tracer.flush()
         return [self.finished[rid] for rid in flat]
