@@ -65,8 +65,11 @@ def test_without_a_compiler_the_engine_falls_back_with_a_warning(monkeypatch, tm
                                             torch.ones(1, 2, dtype=torch.int64), torch.tensor([2]), q.clone(), 0.5)
 
 
-def _greedy(tiny, prompts):
+def _greedy(tiny, prompts, kernels: bool):
     with Engine(tiny, trace_level="off", chunk_size=16) as engine:
+        used = engine.config["cpu_kernels"]  # what the trace's meta will say ran
+        assert used["decode_attention"] is kernels
+        assert (used["packed_linear_bytes"] > 0) is (kernels and cpu_kernels.mkl() is not None)
         outs = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True,
                                                        logprobs=True))
     return [o.token_ids for o in outs], [[t.logprob for t in o.logprobs] for o in outs]
@@ -76,11 +79,11 @@ def _greedy(tiny, prompts):
 def test_engine_tokens_and_logprobs_agree_with_and_without_the_kernels(tiny):
     prompts = ["The quick brown fox", "a" * 120, [{"role": "user", "content": "Name three rivers."}]]
     assert cpu_kernels.available()
-    with_kernel = _greedy(tiny, prompts)
+    with_kernel = _greedy(tiny, prompts, kernels=True)
     with cpu_kernels.disabled(tiny.model):
         assert cpu_kernels.load() is None and not any(
             isinstance(m.forward, cpu_kernels.PackedLinear) for m in tiny.model.modules())
-        without = _greedy(tiny, prompts)
+        without = _greedy(tiny, prompts, kernels=False)
     assert cpu_kernels.load() is not None
     assert with_kernel[0] == without[0]
     for a, b in zip(with_kernel[1], without[1], strict=True):

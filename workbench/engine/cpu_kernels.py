@@ -183,11 +183,16 @@ def disabled(model: torch.nn.Module | None = None) -> Iterator[None]:
                if isinstance(m, torch.nn.Linear) and isinstance(m.forward, PackedLinear)]
     for p in packers:
         p.module.forward = p.original
+    packed_bytes = getattr(model, "_workbench_packed_bytes", None)
+    if packed_bytes is not None:
+        model._workbench_packed_bytes = 0  # an Engine built meanwhile reports (and packs) nothing
     try:
         yield
     finally:
         for p in packers:
             p.module.forward = p
+        if packed_bytes is not None:
+            model._workbench_packed_bytes = packed_bytes
         with _lock:
             _lib, _tried = saved
 

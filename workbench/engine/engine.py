@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from workbench.engine import tracing
+from workbench.engine import cpu_kernels, tracing
 from workbench.engine.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from workbench.engine.grammar import GrammarBackend
 from workbench.engine.logprobs import store_prompt_logprobs
@@ -78,6 +78,10 @@ class Engine:
                        "max_batch_tokens": max_batch_tokens, "chunk_size": chunk_size, "kv_tokens": kv_tokens,
                        "max_running": max_running, "enable_mixed": enable_mixed, "trace_topk": trace_topk,
                        "seed": seed, "prefix_sharing": prefix_sharing, "spec": spec if isinstance(spec, (str, dict, type(None))) else getattr(spec, "to_dict", spec.__str__)()}
+        # which native paths ran, so a trace says it (a replay elsewhere may take the torch paths)
+        cpu_fp32 = self.device == "cpu" and self.runner.dtype == torch.float32
+        self.config["cpu_kernels"] = {"decode_attention": cpu_fp32 and cpu_kernels.available(),
+                                      "packed_linear_bytes": self.runner.packed_bytes}
         self.trace_topk = trace_topk
         self.prefix_sharing = prefix_sharing
         self.tracer = tracing.make_tracer(trace, trace_level, trace_sinks, self)
