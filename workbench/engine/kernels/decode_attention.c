@@ -6,6 +6,7 @@
  * idx  [B, idx_stride]     KV slot of each cached position (int64), first lens[b] are valid
  * out  [B, H, D]           written; may be a slice of a larger contiguous tensor
  * Query head j attends with KV head j / (H / KVH) (transformers' repeat_kv).
+ * num_threads: torch.get_num_threads() of the caller (the engine may step on any thread).
  * Softmax in float32 with the running max subtracted, like scaled_dot_product_attention.
  */
 #include <math.h>
@@ -15,12 +16,12 @@
 
 int wb_decode_attention(const float *q, const float *k, const float *v, const int64_t *idx,
                         int64_t idx_stride, const int64_t *lens, float *out, int64_t B, int64_t H,
-                        int64_t KVH, int64_t D, float scale) {
+                        int64_t KVH, int64_t D, float scale, int num_threads) {
     const int64_t G = H / KVH;
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
     int failed = 0;
-#pragma omp parallel
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
         /* one task per request: each KV row (all heads, contiguous) is read once */
         float *scores = (float *)malloc(sizeof(float) * (size_t)(H * (max_len > 0 ? max_len : 1)));
