@@ -42,6 +42,18 @@ def test_kernel_matches_gather_plus_sdpa(heads, kv_heads, head_dim):
     torch.testing.assert_close(out, _reference(q, k_pool, v_pool, idx, lens, head_dim ** -0.5), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+def test_kernel_refuses_slots_outside_the_pool_instead_of_reading_them():
+    pool = torch.randn(10, 2, 8)
+    q, out = torch.randn(2, 4, 8), torch.zeros(2, 4, 8)
+    for idx, lens in [(torch.tensor([[1, 2, 10], [1, 2, 3]]), torch.tensor([3, 2])),  # slot 10 of 10
+                      (torch.tensor([[1, 2, 3], [1, 2, 3]]), torch.tensor([4, 2])),  # longer than its row
+                      (torch.tensor([[1, -1, 3], [1, 2, 3]]), torch.tensor([3, 2]))]:
+        with pytest.raises(IndexError, match="outside the pool"):
+            cpu_kernels.decode_attention(q, pool, pool, idx, lens, out, 0.3)
+        assert not out.any()  # nothing written
+
+
 def test_kernel_declines_what_it_does_not_read():
     q = torch.randn(2, 4, 8, dtype=torch.float64)
     pool = torch.randn(10, 2, 8, dtype=torch.float64)

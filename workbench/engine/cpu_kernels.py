@@ -91,7 +91,7 @@ def load() -> ctypes.CDLL | None:
         fn = lib.wb_decode_attention
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-            [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
+            [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
         _lib = lib
         return lib
 
@@ -228,11 +228,14 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         return False
     b, h, d = q.shape
     kvh = k_pool.shape[1]
-    if h % kvh or out.shape != q.shape or k_pool.shape[2] != d or kv_idx.shape[0] != b or lens.shape[0] != b:
+    if (h % kvh or out.shape != q.shape or k_pool.shape[2] != d or v_pool.shape != k_pool.shape
+            or kv_idx.shape[0] != b or lens.shape[0] != b):
         return False
     rc = lib.wb_decode_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), kv_idx.data_ptr(),
                                  kv_idx.stride(0), lens.data_ptr(), out.data_ptr(), b, h, kvh, d, scale,
-                                 torch.get_num_threads())
+                                 torch.get_num_threads(), k_pool.shape[0])
+    if rc == -2:
+        raise IndexError("decode attention: a KV slot index or a row length is outside the pool / slot table")
     if rc != 0:
         raise MemoryError("decode attention kernel: out of memory for its score buffers")
     return True

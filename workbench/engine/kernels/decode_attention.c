@@ -5,6 +5,7 @@
  * k, v [slots, KVH, D]     one layer of the KV pool, contiguous
  * idx  [B, idx_stride]     KV slot of each cached position (int64), first lens[b] are valid
  * out  [B, H, D]           written; may be a slice of a larger contiguous tensor
+ * Returns 0; -2 (nothing written) when a length or a slot index is out of range; -1 out of memory.
  * Query head j attends with KV head j / (H / KVH) (transformers' repeat_kv).
  * num_threads: torch.get_num_threads() of the caller (the engine may step on any thread).
  * Softmax in float32 with the running max subtracted, like scaled_dot_product_attention.
@@ -16,10 +17,15 @@
 
 int wb_decode_attention(const float *q, const float *k, const float *v, const int64_t *idx,
                         int64_t idx_stride, const int64_t *lens, float *out, int64_t B, int64_t H,
-                        int64_t KVH, int64_t D, float scale, int num_threads) {
+                        int64_t KVH, int64_t D, float scale, int num_threads, int64_t num_slots) {
     const int64_t G = H / KVH;
     int64_t max_len = 0;
-    for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+    for (int64_t b = 0; b < B; b++) {
+        if (lens[b] < 1 || lens[b] > idx_stride) return -2; /* a row longer than its slot list */
+        for (int64_t l = 0; l < lens[b]; l++)
+            if (idx[b * idx_stride + l] < 0 || idx[b * idx_stride + l] >= num_slots) return -2;
+        max_len = lens[b] > max_len ? lens[b] : max_len;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
