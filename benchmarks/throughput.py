@@ -3,6 +3,7 @@ batch) and transformers `generate_batch()` (continuous batching), same model, pr
 in one run. Also measures the engine's tracing overhead (summary, full) and trace bytes per token.
 
     python benchmarks/throughput.py [--model smollm2] [--prompts 32] [--new 128] [--json out.json]
+    python benchmarks/throughput.py --eos   # requests stop at EOS: the mixed-length case
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ def chat_prompts(n: int) -> list[list[dict[str, str]]]:
 
 
 def bench_engine(loaded, prompts, new: int, trace_level: str = "off", trace_path: str | None = None,
-                 cpu_kernels: bool = True, **engine_kwargs) -> dict:
+                 cpu_kernels: bool = True, eos: bool = False, **engine_kwargs) -> dict:
     from workbench.engine import cpu_kernels as kernels
     from workbench.engine.engine import Engine
     from workbench.engine.sampling_params import SamplingParams
 
     engine = Engine(loaded, trace=trace_path, trace_level=trace_level, **engine_kwargs)
-    params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=not eos)
     if cpu_kernels:
         return _bench_engine(engine, prompts, params)
     with kernels.disabled(loaded.model):  # torch's gather + sdpa and F.linear, for comparison
@@ -62,7 +63,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench_hf_static(folder, tok, prompts, new: int, device: str, dtype: torch.dtype) -> dict:
+def bench_hf_static(folder, tok, prompts, new: int, device: str, dtype: torch.dtype, eos: bool = False) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
@@ -74,20 +75,34 @@ def bench_hf_static(folder, tok, prompts, new: int, device: str, dtype: torch.dt
         model.generate(**{k: v[:2] for k, v in enc.items()}, max_new_tokens=4, do_sample=False)
         _sync(device)
         t0 = time.perf_counter()
-        out = model.generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+        out = model.generate(**enc, max_new_tokens=new, min_new_tokens=1 if eos else new, do_sample=False,
                              pad_token_id=tok.eos_token_id)
         _sync(device)
         secs = time.perf_counter() - t0
-    tokens = (out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0]
+    gen = out[:, enc["input_ids"].shape[1]:]
+    if eos:  # count each row up to and including its first EOS, as the engine's outputs do
+        stops = torch.tensor(_eos_ids(model, tok), device=gen.device)
+        hit = torch.isin(gen, stops)
+        first = torch.where(hit.any(1), hit.int().argmax(1) + 1, torch.full_like(hit[:, 0], gen.shape[1], dtype=torch.long))
+        tokens = int(first.sum())
+    else:
+        tokens = gen.numel()
     return {"tokens": tokens, "seconds": secs, "tok_s": tokens / secs}
 
 
-def bench_hf_continuous(folder, tok, prompts, new: int, device: str, dtype: torch.dtype) -> dict:
+def _eos_ids(model, tok) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return ids or [tok.eos_token_id]
+
+
+def bench_hf_continuous(folder, tok, prompts, new: int, device: str, dtype: torch.dtype, eos: bool = False) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="paged|sdpa").to(device).eval()
     ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)["input_ids"] for p in prompts]
-    cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=tok.eos_token_id)
+    cfg = GenerationConfig(max_new_tokens=new, do_sample=False, pad_token_id=tok.eos_token_id,
+                           eos_token_id=_eos_ids(model, tok) if eos else -1)
     with torch.inference_mode():
         t0 = time.perf_counter()
         outs = model.generate_batch(inputs=ids, generation_config=cfg, progress_bar=False)
@@ -104,6 +119,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--eos", action="store_true",
+                    help="stop each request at EOS (up to --new tokens) instead of ignore_eos; every runner counts "
+                         "the tokens it really produced, EOS included")
     ap.add_argument("--skip-trace", action="store_true", help="only the untraced engine and the peers")
     ap.add_argument("--json", default=None)
     ap.add_argument("--repeat", type=int, default=2, help="round-robin repeats; the best of each is reported")
@@ -115,23 +133,26 @@ def main() -> None:
     loaded = load_model(args.model, device=args.device)
     prompts = chat_prompts(args.prompts)
     results: dict[str, dict] = {}
-    runs = [("engine (trace off)", lambda: bench_engine(loaded, prompts, args.new)),
+    runs = [("engine (trace off)", lambda: bench_engine(loaded, prompts, args.new, eos=args.eos)),
             ("engine (trace off, no prefix sharing)",
-             lambda: bench_engine(loaded, prompts, args.new, prefix_sharing=False)),
+             lambda: bench_engine(loaded, prompts, args.new, eos=args.eos, prefix_sharing=False)),
             ("engine (trace off, no sharing, no CPU kernels)",
-             lambda: bench_engine(loaded, prompts, args.new, prefix_sharing=False, cpu_kernels=False))]
+             lambda: bench_engine(loaded, prompts, args.new, eos=args.eos, prefix_sharing=False,
+                                  cpu_kernels=False))]
     with tempfile.TemporaryDirectory() as tmp:
         for level in () if args.skip_trace else ("summary", "full"):
             path = os.path.join(tmp, f"{level}.wbtrace")
             runs.append((f"engine (trace {level})", lambda level=level, path=path: {
-                **bench_engine(loaded, prompts, args.new, level, path), "trace_bytes": os.path.getsize(path)}))
+                **bench_engine(loaded, prompts, args.new, level, path, eos=args.eos),
+                "trace_bytes": os.path.getsize(path)}))
         if not args.skip_hf:
             dtype = getattr(torch, loaded.dtype)
             runs.append(("transformers generate() static batch",
-                         lambda: bench_hf_static(loaded.folder, loaded.tokenizer, prompts, args.new, args.device, dtype)))
+                         lambda: bench_hf_static(loaded.folder, loaded.tokenizer, prompts, args.new, args.device,
+                                                 dtype, args.eos)))
             runs.append(("transformers generate_batch() continuous",
                          lambda: bench_hf_continuous(loaded.folder, loaded.tokenizer, prompts, args.new, args.device,
-                                                     dtype)))
+                                                     dtype, args.eos)))
         # Round-robin repeats, best of each: on a shared machine a burst of load then hits every
         # contender instead of whichever happened to run at that moment.
         rounds: dict[str, list[float]] = {}
@@ -144,7 +165,8 @@ def main() -> None:
     for name, r in results.items():
         r["rounds_tok_s"] = rounds[name]
     base = results["engine (trace off)"]["tok_s"]
-    print(f"\n{args.prompts} chat prompts, greedy, {args.new} new tokens, {args.model}, {args.device} {loaded.dtype}, "
+    print(f"\n{args.prompts} chat prompts, greedy, {'up to ' if args.eos else ''}{args.new} new tokens"
+          f"{' (stop at EOS)' if args.eos else ''}, {args.model}, {args.device} {loaded.dtype}, "
           f"best of {args.repeat}, load average {os.getloadavg()[0]:.1f}, "
           f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     # The same-round ratio compares runs a minute apart, so a drift of the machine's speed between
