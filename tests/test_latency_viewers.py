@@ -53,7 +53,9 @@ def test_the_trace_rebuilds_the_servers_summary(served_trace):
     path, rid = served_trace
     with open_trace(path) as trace:
         lat = RequestLatency.from_events(rid, trace.events(req_id=rid))
-    assert lat.has_server and len(lat.steps) == TOKENS and len(lat.written) >= TOKENS - 1
+    assert lat.has_server and len(lat.steps) == TOKENS and lat.written
+    # a busy machine coalesces deltas into fewer frames; frames plus merged deltas still cover every token
+    assert len(lat.written) + int(lat.summary.get("coalesced") or 0) >= TOKENS - 1
     rows = lat.summary["chunk_rows"]
     assert lat.summary["chunk_columns"] == list(CHUNK_COLUMNS) and len(rows) == len(lat.written)
     col = {name: i for i, name in enumerate(CHUNK_COLUMNS)}
