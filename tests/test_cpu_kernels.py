@@ -120,6 +120,19 @@ def test_packed_linears_give_exactly_what_f_linear_gives(rows):
 
 
 @pytest.mark.skipif(cpu_kernels.mkl() is None, reason="PACKED GEMM NOT CHECKED: this torch has no MKL packed sgemm")
+def test_a_packed_model_is_freed_as_soon_as_it_is_dropped():
+    import weakref
+
+    model = _linear_stack(3)
+    assert cpu_kernels.pack_linears(model) > 0
+    with torch.inference_mode():
+        model(torch.randn(20, 96))
+    gone = weakref.ref(model)
+    del model  # no reference cycle through the packed forwards: freed now, not at the next GC pass
+    assert gone() is None
+
+
+@pytest.mark.skipif(cpu_kernels.mkl() is None, reason="PACKED GEMM NOT CHECKED: this torch has no MKL packed sgemm")
 def test_packing_respects_its_memory_budget_and_runs_once():
     model = _linear_stack(1)
     assert cpu_kernels.pack_linears(model, budget_bytes=1000) == 0  # too big for the budget: untouched

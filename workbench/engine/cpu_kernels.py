@@ -31,6 +31,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -131,22 +132,29 @@ class PackedLinear:
     def __init__(self, lib: ctypes.CDLL, module: torch.nn.Linear) -> None:
         weight = module.weight.detach()
         self.out_features, self.in_features = weight.shape
-        self.lib, self.module, self.original = lib, module, module.forward
+        # a weak reference: the module holds this object as its forward, and a cycle would keep the
+        # model (and the packed copy) alive after its Engine is dropped, until the cyclic GC runs
+        self.lib, self._module = lib, weakref.ref(module)
         size = lib.cblas_sgemm_pack_get_size(_B_MATRIX, 64, self.out_features, self.in_features)
         self.packed = torch.empty(size, dtype=torch.uint8)
         lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 64, self.out_features, self.in_features, 1.0,
                              weight.data_ptr(), self.in_features, self.packed.data_ptr())
 
+    @property
+    def module(self) -> torch.nn.Linear:
+        return self._module()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        module = self._module()
         rows = x.numel() // self.in_features if x.shape[-1] == self.in_features else 0
         if rows < PACKED_MIN_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
-            return self.original(x)
+            return torch.nn.functional.linear(x, module.weight, module.bias)  # what nn.Linear.forward does
         x2 = x.reshape(rows, self.in_features).contiguous()
         y = torch.empty((*x.shape[:-1], self.out_features), dtype=torch.float32)
         self.lib.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, rows, self.out_features, self.in_features,
                                      x2.data_ptr(), self.in_features, self.packed.data_ptr(), self.in_features, 0.0,
                                      y.data_ptr(), self.out_features)
-        return y if self.module.bias is None else y + self.module.bias
+        return y if module.bias is None else y + module.bias
 
 
 def pack_linears(model: torch.nn.Module, budget_bytes: int | None = None) -> int:
@@ -182,7 +190,7 @@ def disabled(model: torch.nn.Module | None = None) -> Iterator[None]:
     packers = [m.forward for m in (model.modules() if model is not None else ())
                if isinstance(m, torch.nn.Linear) and isinstance(m.forward, PackedLinear)]
     for p in packers:
-        p.module.forward = p.original
+        del p.module.forward  # back to nn.Linear.forward
     packed_bytes = getattr(model, "_workbench_packed_bytes", None)
     if packed_bytes is not None:
         model._workbench_packed_bytes = 0  # an Engine built meanwhile reports (and packs) nothing
