@@ -66,8 +66,7 @@ def test_kernel_declines_what_it_does_not_read():
 
 
 def test_without_a_compiler_the_engine_falls_back_with_a_warning(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_kernels, "_lib", None)
-    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_attention", cpu_kernels._Once(cpu_kernels._load_attention))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.warns(UserWarning, match="kernel unavailable, using torch"):

@@ -32,7 +32,7 @@ import tempfile
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -42,8 +42,21 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 ENV_SWITCH = "WORKBENCH_CPU_KERNELS"
 
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
+
+
+class _Once:
+    """A library loaded at most once per process (thread-safe); None where it is unavailable or
+    `WORKBENCH_CPU_KERNELS=0`."""
+
+    def __init__(self, loader: Callable[[], ctypes.CDLL | None]) -> None:
+        self.loader, self.tried, self.value = loader, False, None
+
+    def get(self) -> ctypes.CDLL | None:
+        with _lock:
+            if not self.tried:
+                self.tried = True
+                self.value = None if os.environ.get(ENV_SWITCH, "1") == "0" else self.loader()
+            return self.value
 
 
 def cache_dir() -> Path:
@@ -72,58 +85,52 @@ def _build(compiler: str) -> Path:
     return target
 
 
+def _load_attention() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        warnings.warn(f"workbench: CPU decode-attention kernel unavailable, using torch ({exc})", stacklevel=3)
+        return None
+    fn = lib.wb_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
+        [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
+    return lib
+
+
+_attention = _Once(_load_attention)
+
+
 def load() -> ctypes.CDLL | None:
     """The kernel library, building it the first time; None where it cannot be built or is switched off."""
-    global _lib, _tried
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get(ENV_SWITCH, "1") == "0":
-            return None
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
-            return None
-        try:
-            lib = ctypes.CDLL(str(_build(compiler)))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            warnings.warn(f"workbench: CPU decode-attention kernel unavailable, using torch ({exc})", stacklevel=2)
-            return None
-        fn = lib.wb_decode_attention
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-            [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
-        _lib = lib
-        return lib
+    return _attention.get()
 
 
 PACKED_MIN_ROWS = 16
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
-_mkl: ctypes.CDLL | None = None
-_mkl_tried = False
+def _load_mkl() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+        get_size, pack, compute = lib.cblas_sgemm_pack_get_size, lib.cblas_sgemm_pack, lib.cblas_sgemm_compute
+    except (OSError, AttributeError):
+        return None
+    get_size.restype = ctypes.c_size_t
+    get_size.argtypes = [ctypes.c_int] * 4
+    pack.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    compute.argtypes = [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                             ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+    return lib
+
+
+_mkl = _Once(_load_mkl)
 
 
 def mkl() -> ctypes.CDLL | None:
     """torch's own MKL, for its packed sgemm API; None where torch was built without it."""
-    global _mkl, _mkl_tried
-    with _lock:
-        if _mkl_tried:
-            return _mkl
-        _mkl_tried = True
-        if os.environ.get(ENV_SWITCH, "1") == "0":
-            return None
-        try:
-            lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-            get_size, pack, compute = lib.cblas_sgemm_pack_get_size, lib.cblas_sgemm_pack, lib.cblas_sgemm_compute
-        except (OSError, AttributeError):
-            return None
-        get_size.restype = ctypes.c_size_t
-        get_size.argtypes = [ctypes.c_int] * 4
-        pack.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-        compute.argtypes = [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                                                 ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-        _mkl = lib
-        return lib
+    return _mkl.get()
 
 
 class PackedLinear:
@@ -183,10 +190,9 @@ def pack_linears(model: torch.nn.Module, budget_bytes: int | None = None) -> int
 def disabled(model: torch.nn.Module | None = None) -> Iterator[None]:
     """The torch paths for a while (comparisons, benchmarks): decode attention by gather + sdpa and,
     for `model`, `F.linear` instead of the packed weights."""
-    global _lib, _tried
     with _lock:
-        saved = _lib, _tried
-        _lib, _tried = None, True
+        saved = _attention.value, _attention.tried
+        _attention.value, _attention.tried = None, True
     packers = [m.forward for m in (model.modules() if model is not None else ())
                if isinstance(m, torch.nn.Linear) and isinstance(m.forward, PackedLinear)]
     for p in packers:
@@ -202,7 +208,7 @@ def disabled(model: torch.nn.Module | None = None) -> Iterator[None]:
         if packed_bytes is not None:
             model._workbench_packed_bytes = packed_bytes
         with _lock:
-            _lib, _tried = saved
+            _attention.value, _attention.tried = saved
 
 
 def _available_memory() -> int:
