@@ -91,7 +91,9 @@ def test_workbench_tui_steps_searches_helps_and_quits(terminal_for, example_trac
     term.keys("n")
     screen = term.wait_for("step 2 (2/6)")
     assert "MIXED" in screen.split("ForwardBatch")[1]
-    term.keys("/", "the rocks", "Enter")
+    term.keys("/")
+    term.wait_for("text in the output")  # the search line is open (under load, keys sent sooner can be lost)
+    term.keys("the rocks", "Enter")
     screen = term.wait_for("#2 rejected: u 0.570")  # the spec pane of the match's step
     assert "match at step 3, req-1 position 4" in screen and "✗ reject" in screen
     term.keys("?")
