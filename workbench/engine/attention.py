@@ -3,8 +3,8 @@
 Owns: writing each layer's new K/V into the engine's pool at `out_cache_loc` and attending over
 each request's KV slots read through `req_to_token`. Decode rows on CPU float32 go through the
 native paged kernel (cpu_kernels.py) when it could be built; otherwise, and for extend rows, the
-slots are gathered and attended with `scaled_dot_product_attention`. The unmodified HF model calls it with the
-ForwardBatch as the `forward_batch` keyword. Shapes from HF: query `[1, heads, N, head_dim]`,
+slots are gathered and attended with `scaled_dot_product_attention`. The unmodified HF model calls
+it with the ForwardBatch as the `forward_batch` keyword. Shapes from HF: query `[1, heads, N, head_dim]`,
 key/value `[1, kv_heads, N, head_dim]`; it returns `[1, N, heads, head_dim]`.
 """
 
@@ -49,8 +49,8 @@ def workbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         d0 = meta.decode_start
         q = query[0, :, d0:].transpose(0, 1)  # [Bd, H, D]
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        if meta.decode_lens is not None and cpu_kernels.decode_attention(
-                q.contiguous(), kv.k[layer], kv.v[layer], meta.decode_kv_idx, meta.decode_lens, out[0, d0:], scale):
+        if cpu_kernels.decode_attention(q.contiguous(), kv.k[layer], kv.v[layer], meta.decode_kv_idx,
+                                        meta.decode_lens, out[0, d0:], scale):
             return out, None  # read the pool in place, no gather (cpu_kernels.py)
         q = q.unsqueeze(2)  # [Bd, H, 1, D]
         idx = meta.decode_kv_idx  # [Bd, L]; index_select is ~3x faster than advanced indexing here

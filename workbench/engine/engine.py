@@ -26,6 +26,7 @@ from workbench.engine.memory import Memory
 from workbench.engine.model_runner import ModelRunner
 from workbench.engine.output import RequestOutput, StepOutput
 from workbench.engine.postprocess import OutputProcessor
+from workbench.engine.prompts import Prompt, as_prompt_list, tokenize_prompt
 from workbench.engine.request import Req, ReqStatus
 from workbench.engine.sampler import Sampler, SamplingBatchInfo
 from workbench.engine.sampling_params import SamplingParams
@@ -33,8 +34,6 @@ from workbench.engine.scheduler import Scheduler
 from workbench.engine.timing import ReqTiming, StepClock
 from workbench.models.loader import LoadedModel, load_model
 from workbench.trace.recorder import MemorySink, Tracer
-
-Prompt = str | list[dict[str, str]]
 
 
 class StepFailed(RuntimeError):
@@ -102,22 +101,7 @@ class Engine:
     # --- admission ---------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            for m in prompt:
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise ValueError("messages: each message needs string 'role' and 'content'")
-            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:3]}")
-            return list(prompt)
-        raise ValueError("prompt must be a non-empty string, a list of chat messages or a list of token ids")
+        return tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
 
     def add_request(self, prompt: Prompt | list[int], params: SamplingParams | None = None,
                     req_id: str | None = None) -> list[str]:
@@ -355,7 +339,7 @@ class Engine:
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
         """Run prompts (a string, a chat, or a list of either) to completion; outputs in input order."""
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: got {len(plist)} for {len(prompts)} prompts")
@@ -395,16 +379,6 @@ class Engine:
     @property
     def memory_sink(self) -> MemorySink | None:
         return next((s for s in self.tracer.sinks if isinstance(s, MemorySink)), None)
-
-
-def _as_prompt_list(prompts: Any) -> list[Any]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, list) and prompts and all(isinstance(m, dict) for m in prompts):
-        return [prompts]  # one chat
-    if isinstance(prompts, (list, tuple)) and prompts:
-        return list(prompts)
-    raise ValueError("prompts must be a string, a chat, or a non-empty list of either")
 
 
 def _progress(enabled: bool, total: int):

@@ -47,7 +47,7 @@ class AttentionMeta:
     decode_start: int  # first token index of the decode rows (they are packed last)
     decode_kv_idx: torch.Tensor | None  # [num_decode, max_len] KV slots, 0-padded
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_len] bool, True = attend
-    decode_lens: torch.Tensor | None = None  # [num_decode] int64 KV length of each decode row
+    decode_lens: torch.Tensor | None  # [num_decode] int64 KV length of each decode row
 
 
 @dataclass(slots=True)
@@ -129,7 +129,7 @@ def build_forward_batch(mode: ForwardMode, rows: list[RowSpec], memory: Memory, 
 def _decode_plan(rows: list[RowSpec], seq_lens: list[int], table: torch.Tensor, decode_start: int,
                  extend_rows: list) -> AttentionMeta:
     if not rows:
-        return AttentionMeta(extend_rows, decode_start, None, None)
+        return AttentionMeta(extend_rows, decode_start, None, None, None)
     max_len = max(seq_lens)
     pool_idx = torch.tensor([r.req_pool_idx for r in rows], dtype=torch.int64, device=table.device)
     lens = torch.tensor(seq_lens, dtype=torch.int64, device=table.device)

@@ -3,7 +3,8 @@
 Owns: switching the HF model to the "workbench" attention function, the packed forward call
 (`input_ids [1, N]`, per-token `position_ids`, `logits_to_keep` for the rows that need logits) and
 early-exit forwards for self-drafting, and on CPU float32 routing the model's `nn.Linear` layers
-through MKL-packed weights (`cpu_kernels.pack_linears`; the modules and weights are unchanged). Does not own: KV allocation (forward_batch.py) or sampling.
+through MKL-packed weights (`cpu_kernels.pack_linears`; the modules and weights are unchanged).
+Does not own: KV allocation (forward_batch.py) or sampling.
 """
 
 from __future__ import annotations

@@ -244,4 +244,3 @@ def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
             break
         n += 1
     return n
-

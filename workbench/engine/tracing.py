@@ -174,4 +174,3 @@ def _finite(x: float) -> float | None:
 
 def error_event(engine: Engine, message: str, affected: list[str]) -> ev.EngineError:
     return ev.EngineError(step=engine.step_no, t=_now(), message=message, affected=affected)
-
