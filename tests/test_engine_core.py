@@ -209,3 +209,23 @@ def test_prefix_sharing_copies_a_shared_system_prompt_and_changes_no_token(tiny)
     assert prefilled == sum(o.usage["prompt_tokens"] for o in shared) - sum(cached)
     assert any(e.kind == "kv" and "first" in e.reason and "prompt tokens' KV" in e.reason for e in events)
     assert engine.memory.allocator.available_size() == engine.memory.allocator.size
+
+
+def test_pickled_weights_are_refused_without_unpickling(tiny, tmp_path, monkeypatch):
+    """A model folder can be named by a trace file (replay), so `.bin` weights must never reach torch.load."""
+    from workbench.models import load_model
+
+    folder = tmp_path / "bin-only"
+    tiny.model.save_pretrained(folder)
+    tiny.tokenizer.save_pretrained(folder)
+    for weights in folder.glob("*.safetensors"):  # transformers 5 writes only safetensors; make a .bin-only one
+        weights.unlink()
+    torch.save(tiny.model.state_dict(), folder / "pytorch_model.bin")
+    assert any(folder.glob("*.bin")) and not any(folder.glob("*.safetensors"))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.load was called on an untrusted file")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    with pytest.raises(ValueError, match=r"model: .*no \.safetensors weights"):
+        load_model(str(folder), device="cpu")

@@ -163,10 +163,22 @@ def pick_device(device: str = "auto") -> str:
     return device
 
 
+def load_weights(folder: Path, dtype: str = "float32") -> Any:
+    """The stock transformers model from a folder, from safetensors only: a spec can come from a trace
+    file (replay, a drafter), which is untrusted input, and pickled `.bin` weights would run `torch.load`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if not any(Path(folder).glob("*.safetensors")):
+        raise ValueError(f"model: {folder} has no .safetensors weights; pickled weights (.bin, .pt) are not "
+                         "loaded. Convert them once with transformers: "
+                         "model.save_pretrained(folder, safe_serialization=True)")
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), use_safetensors=True)
+
+
 def load_model(spec: str, device: str = "auto", dtype: str | None = None) -> LoadedModel:
     """Load a model spec onto a device: float32 on CPU, bfloat16 on CUDA unless `dtype` says otherwise."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     device = pick_device(device)
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
@@ -174,7 +186,7 @@ def load_model(spec: str, device: str = "auto", dtype: str | None = None) -> Loa
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     folder, name = resolve_folder(spec)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+    model = load_weights(folder, dtype)
     model.to(device).eval()
     model.requires_grad_(False)
     return LoadedModel(spec=spec, name=name, model=model, tokenizer=tokenizer, folder=folder,

@@ -24,12 +24,11 @@ def record_hf_trace(path: str, model_spec: str, prompts: list[Any], *, max_new_t
     """
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
 
-    from workbench.models.loader import folder_hash, resolve_folder
+    from workbench.models.loader import folder_hash, load_weights, resolve_folder
 
     folder, name = resolve_folder(model_spec)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = load_weights(folder).eval()
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     ids_list = req_ids or [f"req-{i}" for i in range(len(prompts))]
     writer = TraceWriter(path)
