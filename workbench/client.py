@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from workbench.server.cli_args import is_loopback
 from workbench.trace.latency import percentile
 
 if TYPE_CHECKING:
@@ -68,13 +68,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def same_clock(url: str) -> bool:
     """A server on this machine shares our perf_counter clock (loopback host)."""
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(urlsplit(url).hostname or "")
 
 
 @dataclass(slots=True)

@@ -46,7 +46,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """`localhost` or a loopback address: a server there is on this machine."""
     if host == "localhost":
         return True
     try:
@@ -92,7 +93,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    if not _is_loopback(args.host) and not args.api_key:
+    if not is_loopback(args.host) and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use the engine",
                     args.host)
     try:
