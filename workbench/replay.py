@@ -121,7 +121,7 @@ def _build_engine(trace: Trace, engine_cfg: dict, device: str | None):
                          f"{model_meta['hash']}: refusing to replay against a different model")
     sink = MemorySink()
     keys = ("max_batch_tokens", "chunk_size", "kv_tokens", "max_running", "enable_mixed", "trace_topk", "seed", "spec",
-            "prefix_sharing")
+            "prefix_sharing", "prefix_cache")
     kwargs = {k: engine_cfg[k] for k in keys if k in engine_cfg}
     kwargs.setdefault("prefix_sharing", False)  # traces from before it existed ran without it
     engine = Engine(loaded, trace_level=trace.meta.get("trace_level", "summary"), trace_sinks=[sink], **kwargs)

@@ -26,6 +26,7 @@ from workbench.engine.memory import Memory
 from workbench.engine.model_runner import ModelRunner
 from workbench.engine.output import RequestOutput, StepOutput
 from workbench.engine.postprocess import OutputProcessor
+from workbench.engine.prefix_cache import PrefixCache
 from workbench.engine.prompts import Prompt, as_prompt_list, tokenize_prompt
 from workbench.engine.request import Req, ReqStatus
 from workbench.engine.sampler import Sampler, SamplingBatchInfo
@@ -51,7 +52,7 @@ class Engine:
                  max_batch_tokens: int = 2048, chunk_size: int = 512, kv_tokens: int | None = None,
                  max_running: int = 64, enable_mixed: bool = True, trace: str | None = None,
                  trace_level: str = "summary", trace_topk: int = 10, trace_sinks: list | None = None,
-                 spec: Any = None, seed: int = 0, prefix_sharing: bool = True) -> None:
+                 spec: Any = None, seed: int = 0, prefix_sharing: bool = True, prefix_cache: bool = False) -> None:
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded)
@@ -76,7 +77,7 @@ class Engine:
         self.config = {"model": self.loaded.spec, "device": self.device, "dtype": self.loaded.dtype,
                        "max_batch_tokens": max_batch_tokens, "chunk_size": chunk_size, "kv_tokens": kv_tokens,
                        "max_running": max_running, "enable_mixed": enable_mixed, "trace_topk": trace_topk,
-                       "seed": seed, "prefix_sharing": prefix_sharing, "spec": spec if isinstance(spec, (str, dict, type(None))) else getattr(spec, "to_dict", spec.__str__)()}
+                       "seed": seed, "prefix_sharing": prefix_sharing, "prefix_cache": prefix_cache, "spec": spec if isinstance(spec, (str, dict, type(None))) else getattr(spec, "to_dict", spec.__str__)()}
         # which native paths ran, so a trace says it (a replay elsewhere may take the torch paths)
         cpu_fp32 = self.device == "cpu" and self.runner.dtype == torch.float32
         self.config["cpu_kernels"] = {"decode_attention": cpu_fp32 and cpu_kernels.available(),
@@ -89,6 +90,9 @@ class Engine:
             from workbench.engine.spec import make_spec_worker
 
             self.spec = make_spec_worker(spec, self)
+            self.scheduler.spec_headroom = self.spec.cfg.num_speculative_tokens
+        if prefix_cache:
+            self.scheduler.prefix_cache = PrefixCache(self.memory.allocator)
         self.step_no = 0
         self.clock = StepClock()
         self.reqs: dict[str, Req] = {}
@@ -159,11 +163,11 @@ class Engine:
         self.clock = clock = StepClock()
         batch = self.scheduler.schedule()
         clock.scheduled = time.perf_counter()
-        for req in batch.preempted:
-            self._emit_free(req, "preempt")
-            if self.spec is not None:
+        if self.spec is not None:
+            for req in batch.preempted:
                 self.spec.release(req)
         if self.tracer.on:
+            tracing.emit_schedule_kv(self, batch)
             self.tracer.emit(tracing.schedule_event(self, batch))
         if batch.mode is ForwardMode.IDLE:
             return results
@@ -296,8 +300,11 @@ class Engine:
     def _finish(self, req: Req, reason: str, evidence: dict | None, matched_stop: Any) -> tuple[RequestOutput, str]:
         req.finish_reason, req.evidence, req.matched_stop = reason, evidence, matched_stop
         req.status = ReqStatus.FINISHED
-        self._emit_free(req, reason)
-        self.scheduler.remove(req)
+        slots = self.scheduler.kv_slots(req).tolist() if self.tracer.on and req.req_pool_idx is not None else []
+        kept, dropped = self.scheduler.remove(req, cache=reason in ("stop", "length"))
+        if self.tracer.on:
+            tracing.emit_release_kv(self, req.req_id, slots, kept, reason)
+            tracing.emit_evicted(self, dropped, f"superseded by {req.req_id}")
         if self.spec is not None:
             self.spec.release(req)
         out, tail = self.outputs.make_output(req)
@@ -306,10 +313,16 @@ class Engine:
             self.tracer.emit(tracing.finished_event(self, req, out))
         return out, tail
 
-    def _emit_free(self, req: Req, reason: str) -> None:
-        if self.tracer.on and req.req_pool_idx is not None and req.kv_len:
-            slots = self.scheduler.kv_slots(req).tolist()
-            self.tracer.emit(tracing.kv_event(self, req.req_id, "free", slots, reason, len(slots)))
+    def flush_prefix_cache(self) -> int:
+        """Free every cached prefix (prefix_cache=True); returns the KV slots freed. Call from the
+        stepping thread, between steps."""
+        cache = self.scheduler.prefix_cache
+        if cache is None:
+            return 0
+        evicted = cache.clear()
+        if self.tracer.on:
+            tracing.emit_evicted(self, evicted, "flush")
+        return sum(len(e.tokens) for e in evicted)
 
     def _drain_inbox(self) -> list[StepOutput]:
         while not self._inbox.empty():

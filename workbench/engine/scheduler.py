@@ -17,6 +17,7 @@ import torch
 from workbench.engine.forward_batch import ForwardMode, RowSpec
 from workbench.engine.logprobs import prompt_logprob_rows
 from workbench.engine.memory import Memory
+from workbench.engine.prefix_cache import CacheEntry, PrefixCache, common_prefix_len
 from workbench.engine.request import Req, ReqStatus
 
 
@@ -37,6 +38,10 @@ class ScheduleBatch:
     decode: list[Req] = field(default_factory=list)
     preempted: list[Req] = field(default_factory=list)
     token_budget: int = 0
+    # prefix cache: requests that copied cached KV at admission (req, its new slots, source request),
+    # and entries evicted to make room for this step
+    cache_hits: list[tuple[Req, torch.Tensor, str]] = field(default_factory=list)
+    evicted: list[CacheEntry] = field(default_factory=list)
 
     @property
     def reqs(self) -> list[Req]:
@@ -68,6 +73,9 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._order = itertools.count()
+        self.prefix_cache: PrefixCache | None = None  # set by the engine when prefix_cache=True
+        self.spec_headroom = 0  # KV slots each running request may take for drafts in one step
+        self.preempted_slots: dict[str, torch.Tensor] = {}  # this step's preemptions: the slots they freed
 
     # --- admission -------------------------------------------------------------------------
 
@@ -95,6 +103,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduleBatch:
         alloc = self.memory.allocator
+        self.preempted_slots = {}
+        evicted = self._make_room()
         decode = [r for r in self.running if r.output_ids and r.seq_len - r.kv_len == 1]
         preempted = []
         while decode and not alloc.can_allocate(len(decode)):
@@ -102,7 +112,8 @@ class Scheduler:
             decode = [r for r in decode if r is not victim]
         budget = self.max_batch_tokens
         decode = decode[:budget]
-        batch = ScheduleBatch(ForwardMode.IDLE, decode=decode, preempted=preempted, token_budget=budget)
+        batch = ScheduleBatch(ForwardMode.IDLE, decode=decode, preempted=preempted, token_budget=budget,
+                              evicted=evicted)
         budget -= len(decode)
         if decode and not self.enable_mixed:
             budget = 0
@@ -116,6 +127,27 @@ class Scheduler:
         batch.mode = (ForwardMode.MIXED if has_prefill and has_decode else ForwardMode.EXTEND if has_prefill
                       else ForwardMode.DECODE if has_decode else ForwardMode.IDLE)
         return batch
+
+    def _make_room(self) -> list[CacheEntry]:
+        """Evict cached prefixes until this step's work fits: every running request's decode now and
+        next step (with its drafts), the prefill still pending up to one step's token budget, and a
+        preempted request's whole sequence (it comes back only when all of it fits)."""
+        cache = self.prefix_cache
+        if cache is None or not cache.entries:
+            return []
+        pending = sum(r.seq_len - r.kv_len for r in self.running if r.seq_len - r.kv_len > 1)
+        pending += sum(r.seq_len + 1 for r in self.waiting)
+        need = len(self.running) * (2 + self.spec_headroom) + min(pending, self.max_batch_tokens)
+        if self.waiting and self.waiting[0].num_preemptions:
+            need += self.waiting[0].seq_len
+        return cache.make_room(min(need, self.memory.allocator.size))
+
+    def _cached_prefix(self, req: Req) -> tuple[CacheEntry | None, int]:
+        """The prefix cache's longest entry for a request about to be admitted (never its last token:
+        that one is computed for its logits)."""
+        if self.prefix_cache is None or req.params.prompt_logprobs or req.kv_len:
+            return None, 0
+        return self.prefix_cache.match(req.fill_ids, req.seq_len - 1)
 
     def _schedule_prefill(self, batch: ScheduleBatch, budget: int) -> None:
         alloc, pool = self.memory.allocator, self.memory.req_to_token_pool
@@ -134,7 +166,10 @@ class Scheduler:
             if is_new and not pool.can_allocate():
                 break
             free = alloc.available_size() - reserve - (1 if is_new else 0)
-            chunk = min(req.seq_len - req.kv_len, self.chunk_size, budget, free)
+            entry, cached = self._cached_prefix(req) if is_new else (None, 0)
+            if free - cached < 1:
+                entry, cached = None, 0  # no room for the copy and a chunk: prefill all of it
+            chunk = min(req.seq_len - req.kv_len - cached, self.chunk_size, budget, free - cached)
             if chunk <= 0 or (is_new and req.num_preemptions and free < req.seq_len):
                 # A preempted request comes back only when all of it fits again, or it would be
                 # preempted again mid-recompute; the queue stays first come, first served.
@@ -145,9 +180,22 @@ class Scheduler:
                 self.running.append(req)
                 req.status = ReqStatus.RUNNING
                 reserve += 1
+                if entry is not None:
+                    batch.cache_hits.append((req, self._copy_cached(entry, req, cached), entry.source))
             batch.prefill.append(PrefillChunk(req, req.kv_len, chunk, req.kv_len + chunk == req.seq_len))
             budget -= chunk
             reserve += chunk
+
+    def _copy_cached(self, entry: CacheEntry, req: Req, n: int) -> torch.Tensor:
+        """Copy the first `n` tokens' KV of a cache entry into fresh slots of `req` (just admitted)."""
+        slots = self.memory.allocator.allocate(n)
+        pool = self.memory.req_to_token_pool
+        pool.req_to_token[req.req_pool_idx, :n] = slots.to(pool.req_to_token.device)
+        self.memory.copy_kv(entry.slots[:n], slots)
+        req.kv_len = n
+        req.cached_prompt_tokens = min(n, len(req.prompt_ids))
+        self.prefix_cache.use(entry, n)
+        return slots
 
     # --- n > 1: siblings share the prompt's prefill -------------------------------------------
 
@@ -169,10 +217,12 @@ class Scheduler:
         if req.params.prompt_logprobs:
             return
         best, best_len = None, self.MIN_SHARED_PREFIX - 1
+        if self.prefix_cache is not None:  # only wait for an in-flight prefill that beats the cache
+            best_len = max(best_len, self.prefix_cache.match(req.prompt_ids, len(req.prompt_ids) - 1)[1])
         for src in [*self.running, *self.waiting]:
             if src.output_ids or src.finished or src.params.prompt_logprobs:
                 continue  # already past its prefill: the hand-off happens when a prefill completes
-            n = _common_prefix_len(src.prompt_ids, req.prompt_ids, len(req.prompt_ids) - 1)
+            n = common_prefix_len(src.prompt_ids, req.prompt_ids, len(req.prompt_ids) - 1)
             if n > best_len:
                 best, best_len = src, n
         if best is not None:
@@ -204,18 +254,26 @@ class Scheduler:
         end = req.kv_len if end is None else end
         return self.memory.req_to_token_pool.req_to_token[req.req_pool_idx, start:end].cpu()
 
-    def release(self, req: Req) -> torch.Tensor:
-        """Free every KV slot and the request slot of `req`; return the freed KV slots."""
-        freed = torch.empty(0, dtype=torch.int64)
+    def cacheable(self, req: Req) -> bool:
+        return (self.prefix_cache is not None and req.req_pool_idx is not None
+                and req.kv_len >= PrefixCache.MIN_MATCH)
+
+    def release(self, req: Req, cache: bool = False) -> tuple[bool, list[CacheEntry]]:
+        """Free the request slot of `req` and its KV slots, or with `cache` (a finished request) hand
+        the KV to the prefix cache. Returns whether the cache kept it and the entries it dropped."""
+        kept, dropped = False, []
         if req.req_pool_idx is not None:
-            freed = self.kv_slots(req)
-            self.memory.allocator.free(freed)
+            slots = self.kv_slots(req)
+            if cache and self.cacheable(req):
+                kept, dropped = self.prefix_cache.insert(req.fill_ids[:req.kv_len], slots, req.req_id)
+            else:
+                self.memory.allocator.free(slots)
             self.memory.req_to_token_pool.free(req.req_pool_idx)
             req.req_pool_idx = None
         req.kv_len = 0
         if req in self.running:
             self.running.remove(req)
-        return freed
+        return kept, dropped
 
     def _preempt_latest(self, preempted: list[Req]) -> Req:
         """Preempt the running request admitted last (recomputed later); record it in `preempted`."""
@@ -225,22 +283,15 @@ class Scheduler:
         return victim
 
     def _preempt(self, req: Req) -> None:
+        if req.req_pool_idx is not None:
+            self.preempted_slots[req.req_id] = self.kv_slots(req)
         self.release(req)
         req.num_preemptions += 1
         req.status = ReqStatus.WAITING
         self.waiting.appendleft(req)
 
-    def remove(self, req: Req) -> torch.Tensor:
-        """Take `req` out of the scheduler wherever it is (finish or abort); return freed KV slots."""
+    def remove(self, req: Req, cache: bool = False) -> tuple[bool, list[CacheEntry]]:
+        """Take `req` out of the scheduler wherever it is (finish or abort); see `release`."""
         if req in self.waiting:
             self.waiting.remove(req)
-        return self.release(req)
-
-
-def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
-    n = 0
-    for x, y in zip(a[:limit], b[:limit]):
-        if x != y:
-            break
-        n += 1
-    return n
+        return self.release(req, cache)

@@ -162,6 +162,32 @@ def kv_event(engine: Engine, req_id: str | None, op: str, slots: list[int], reas
                       kv_used=alloc.used() - (n if op in ("free", "rollback") else 0), kv_total=alloc.size)
 
 
+def emit_schedule_kv(engine: Engine, batch: Any) -> None:
+    """The KV changes `schedule()` made: cached prefixes evicted to make room, preempted requests'
+    slots freed, and cached prefixes copied into admitted requests."""
+    emit_evicted(engine, batch.evicted, "make room")
+    for req in batch.preempted:
+        slots = engine.scheduler.preempted_slots.get(req.req_id)
+        if slots is not None and slots.numel():
+            engine.tracer.emit(kv_event(engine, req.req_id, "free", slots.tolist(), "preempt", 0))
+    for req, slots, source in batch.cache_hits:
+        engine.tracer.emit(kv_event(engine, req.req_id, "alloc", slots.tolist(),
+                                    f"copy of {source}'s cached KV ({slots.numel()} tokens)", 0))
+
+
+def emit_release_kv(engine: Engine, req_id: str, slots: list[int], kept: bool, reason: str) -> None:
+    """A finished or aborted request's KV, after the fact: freed, or kept by the prefix cache."""
+    if slots:
+        engine.tracer.emit(kv_event(engine, req_id, "cache" if kept else "free", slots,
+                                    f"{reason}: kept by the prefix cache" if kept else reason, 0))
+
+
+def emit_evicted(engine: Engine, entries: list, why: str) -> None:
+    for entry in entries:
+        engine.tracer.emit(kv_event(engine, None, "evict", entry.slots.tolist(),
+                                    f"prefix cache: {entry.source}'s {len(entry.tokens)} tokens ({why})", 0))
+
+
 def stamp_event(engine: Engine, req_id: str, stage: str, detail: dict[str, Any], t: float | None = None,
                 step: int | None = None) -> ev.Stamp:
     return ev.Stamp(step=engine.step_no if step is None else step, req_id=req_id, t=t if t is not None else _now(),

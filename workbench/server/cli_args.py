@@ -35,6 +35,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens")
     parser.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
                         help="a request whose prompt starts like one still prefilling copies that KV (default: on)")
+    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=False,
+                        help="keep finished requests' KV; a later prompt starting the same way (a chat's next turn) "
+                             "copies it instead of recomputing; evicted when memory is needed (default: off)")
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20)
     parser.add_argument("--default-max-tokens", type=int, default=1024, help="chat max_tokens when not given")
     parser.add_argument("--graceful-timeout", type=float, default=10.0,
@@ -83,7 +86,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
         sinks.append(writer)
     engine = Engine(args.model, device=args.device, trace_level=args.trace_level, trace_sinks=sinks,
                     max_running=args.max_running, kv_tokens=args.kv_tokens,
-                    prefix_sharing=getattr(args, "prefix_sharing", True))
+                    prefix_sharing=getattr(args, "prefix_sharing", True),
+                    prefix_cache=getattr(args, "prefix_cache", False))
     app = create_app(engine, model_name=args.served_model_name or args.model, hub=hub, trace_dir=trace_dir,
                      trace_writer=writer, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      default_max_tokens=args.default_max_tokens, close_engine=True, stream_limits=limits)

@@ -224,10 +224,15 @@ class ChatCompletionRequest(_SamplingFields):
 # --- responses ----------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV was copied (prefix cache, or a shared prefill), not computed
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # only when some prompt KV was reused
 
 
 class TopLogprob(BaseModel):

@@ -26,7 +26,7 @@ from workbench.server.errors import APIError, bad_request, from_validation_error
 from workbench.server.event_hub import EventHub
 from workbench.server.logprobs import TokenBytes
 from workbench.server.metrics import Metrics
-from workbench.server.protocol import Usage
+from workbench.server.protocol import PromptTokensDetails, Usage
 from workbench.server.stream_latency import attach
 
 M = TypeVar("M", bound=BaseModel)
@@ -220,11 +220,15 @@ def stop_reason(output: RequestOutput | None) -> int | str | None:
 
 
 def usage_of(outputs: list[RequestOutput], num_prompts: int = 1) -> Usage:
-    """Prompt tokens counted once per prompt (n choices share it), completion tokens summed."""
-    per_prompt: dict[int, int] = {}
+    """Prompt tokens counted once per prompt (n choices share it, and the first choice's cached prompt
+    tokens count for it), completion tokens summed."""
+    per_prompt: dict[int, tuple[int, int]] = {}
     completion = 0
     for i, out in enumerate(outputs):
-        per_prompt.setdefault(i * num_prompts // max(len(outputs), 1), int(out.usage.get("prompt_tokens", 0)))
+        per_prompt.setdefault(i * num_prompts // max(len(outputs), 1),
+                              (int(out.usage.get("prompt_tokens", 0)), int(out.usage.get("cached_prompt_tokens", 0))))
         completion += int(out.usage.get("completion_tokens", len(out.token_ids)))
-    prompt = sum(per_prompt.values())
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    prompt = sum(p for p, _ in per_prompt.values())
+    cached = sum(c for _, c in per_prompt.values())
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if cached else None)

@@ -108,10 +108,12 @@ class ScheduleDecision(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KVEvent(Event):
-    """An explicit KV-slot operation: allocate, free (finish/abort/preempt) or spec rollback."""
+    """An explicit KV-slot operation: allocate, free (finish/abort/preempt), spec rollback, or the
+    prefix cache keeping a finished request's slots (cache) and freeing them again (evict). `kv_used`
+    is the pool's occupancy after the operation."""
 
     kind: ClassVar[str] = "kv"
-    op: str = "alloc"  # alloc | free | rollback
+    op: str = "alloc"  # alloc | free | rollback | cache | evict
     slots: list[int] = field(default_factory=list)
     reason: str = ""
     kv_used: int = 0
