@@ -253,7 +253,7 @@ class Engine:
                 if self.tracer.on:
                     what = "prompt" if sibling else f"first {len(slots)} prompt tokens'"
                     self.tracer.emit(tracing.kv_event(self, sib.req_id, "alloc", slots.tolist(),
-                                                      f"copy of {src.req_id}'s {what} KV", 0))
+                                                      f"copy of {src.req_id}'s {what} KV"))
         return logits[:num_sampled]
 
     def _finish_scored(self, prefill: list) -> list[StepOutput]:
@@ -300,11 +300,9 @@ class Engine:
     def _finish(self, req: Req, reason: str, evidence: dict | None, matched_stop: Any) -> tuple[RequestOutput, str]:
         req.finish_reason, req.evidence, req.matched_stop = reason, evidence, matched_stop
         req.status = ReqStatus.FINISHED
-        slots = self.scheduler.kv_slots(req).tolist() if self.tracer.on and req.req_pool_idx is not None else []
-        kept, dropped = self.scheduler.remove(req, cache=reason in ("stop", "length"))
+        released = self.scheduler.remove(req, cache=reason in ("stop", "length"))
         if self.tracer.on:
-            tracing.emit_release_kv(self, req.req_id, slots, kept, reason)
-            tracing.emit_evicted(self, dropped, f"superseded by {req.req_id}")
+            tracing.emit_release_kv(self, req.req_id, released, reason)
         if self.spec is not None:
             self.spec.release(req)
         out, tail = self.outputs.make_output(req)
@@ -317,9 +315,7 @@ class Engine:
         """Free every cached prefix (prefix_cache=True); returns the KV slots freed. Call from the
         stepping thread, between steps."""
         cache = self.scheduler.prefix_cache
-        if cache is None:
-            return 0
-        evicted = cache.clear()
+        evicted = cache.clear() if cache is not None else []
         if self.tracer.on:
             tracing.emit_evicted(self, evicted, "flush")
         return sum(len(e.tokens) for e in evicted)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -58,6 +59,14 @@ class ScheduleBatch:
                         prompt_logprob_rows(c.req, c.start, c.length)) for c in self.prefill]
         rows += [RowSpec(r.req_id, r.req_pool_idx, r.kv_len, [r.fill_ids[-1]], 1) for r in self.decode]
         return rows
+
+
+class Released(NamedTuple):
+    """What releasing a request did with its KV."""
+
+    slots: torch.Tensor  # its KV slots: freed, or kept by the prefix cache
+    kept: bool  # the prefix cache kept them
+    dropped: list[CacheEntry]  # cache entries the new one superseded (their slots freed)
 
 
 class Scheduler:
@@ -187,14 +196,21 @@ class Scheduler:
             reserve += chunk
 
     def _copy_cached(self, entry: CacheEntry, req: Req, n: int) -> torch.Tensor:
-        """Copy the first `n` tokens' KV of a cache entry into fresh slots of `req` (just admitted)."""
-        slots = self.memory.allocator.allocate(n)
-        pool = self.memory.req_to_token_pool
-        pool.req_to_token[req.req_pool_idx, :n] = slots.to(pool.req_to_token.device)
-        self.memory.copy_kv(entry.slots[:n], slots)
-        req.kv_len = n
+        """Copy the first `n` tokens' KV of a cache entry into `req` (just admitted)."""
+        slots = self._copy_prefix(entry.slots[:n], req)
         req.cached_prompt_tokens = min(n, len(req.prompt_ids))
         self.prefix_cache.use(entry, n)
+        return slots
+
+    def _copy_prefix(self, src_slots: torch.Tensor, dst: Req) -> torch.Tensor:
+        """Give `dst` (holding a request slot, no KV yet) fresh slots with a copy of `src_slots`' KV as
+        its first tokens; returns the new slots."""
+        n = src_slots.numel()
+        slots = self.memory.allocator.allocate(n)
+        pool = self.memory.req_to_token_pool
+        pool.req_to_token[dst.req_pool_idx, :n] = slots.to(pool.req_to_token.device)
+        self.memory.copy_kv(src_slots, slots)
+        dst.kv_len = n
         return slots
 
     # --- n > 1: siblings share the prompt's prefill -------------------------------------------
@@ -238,11 +254,9 @@ class Scheduler:
         if (dst not in self.waiting or src.req_pool_idx is None or src.kv_len < n or n < 1
                 or not pool.can_allocate() or alloc.available_size() - len(self.running) - 1 < n):
             return None
-        slots = alloc.allocate(n)
         dst.req_pool_idx = pool.allocate()
-        pool.req_to_token[dst.req_pool_idx, :n] = slots.to(pool.req_to_token.device)
-        self.memory.copy_kv(self.kv_slots(src, 0, n), slots)
-        dst.kv_len = dst.cached_prompt_tokens = n
+        slots = self._copy_prefix(self.kv_slots(src, 0, n), dst)
+        dst.cached_prompt_tokens = n
         self.waiting.remove(dst)
         self.running.append(dst)
         dst.status = ReqStatus.RUNNING
@@ -254,17 +268,13 @@ class Scheduler:
         end = req.kv_len if end is None else end
         return self.memory.req_to_token_pool.req_to_token[req.req_pool_idx, start:end].cpu()
 
-    def cacheable(self, req: Req) -> bool:
-        return (self.prefix_cache is not None and req.req_pool_idx is not None
-                and req.kv_len >= PrefixCache.MIN_MATCH)
-
-    def release(self, req: Req, cache: bool = False) -> tuple[bool, list[CacheEntry]]:
+    def release(self, req: Req, cache: bool = False) -> Released:
         """Free the request slot of `req` and its KV slots, or with `cache` (a finished request) hand
-        the KV to the prefix cache. Returns whether the cache kept it and the entries it dropped."""
-        kept, dropped = False, []
+        the KV to the prefix cache."""
+        slots, kept, dropped = torch.empty(0, dtype=torch.int64), False, []
         if req.req_pool_idx is not None:
             slots = self.kv_slots(req)
-            if cache and self.cacheable(req):
+            if cache and self.prefix_cache is not None and req.kv_len >= PrefixCache.MIN_MATCH:
                 kept, dropped = self.prefix_cache.insert(req.fill_ids[:req.kv_len], slots, req.req_id)
             else:
                 self.memory.allocator.free(slots)
@@ -273,7 +283,7 @@ class Scheduler:
         req.kv_len = 0
         if req in self.running:
             self.running.remove(req)
-        return kept, dropped
+        return Released(slots, kept, dropped)
 
     def _preempt_latest(self, preempted: list[Req]) -> Req:
         """Preempt the running request admitted last (recomputed later); record it in `preempted`."""
@@ -283,14 +293,12 @@ class Scheduler:
         return victim
 
     def _preempt(self, req: Req) -> None:
-        if req.req_pool_idx is not None:
-            self.preempted_slots[req.req_id] = self.kv_slots(req)
-        self.release(req)
+        self.preempted_slots[req.req_id] = self.release(req).slots
         req.num_preemptions += 1
         req.status = ReqStatus.WAITING
         self.waiting.appendleft(req)
 
-    def remove(self, req: Req, cache: bool = False) -> tuple[bool, list[CacheEntry]]:
+    def remove(self, req: Req, cache: bool = False) -> Released:
         """Take `req` out of the scheduler wherever it is (finish or abort); see `release`."""
         if req in self.waiting:
             self.waiting.remove(req)

@@ -209,10 +209,9 @@ class SpecWorker:
         keep = base + m  # [last] and the accepted drafts before the final token stay
         freed = eng.memory.req_to_token_pool.req_to_token[req.req_pool_idx, keep:req.kv_len].cpu()
         position = len(req.output_ids)
-        if eng.tracer.on and freed.numel():
-            eng.tracer.emit(tracing.kv_event(eng, req.req_id, "rollback", freed.tolist(),
-                                             "spec: rejected drafts", int(freed.numel())))
         eng.memory.allocator.free(freed)
+        if eng.tracer.on and freed.numel():
+            eng.tracer.emit(tracing.kv_event(eng, req.req_id, "rollback", freed.tolist(), "spec: rejected drafts"))
         req.kv_len = keep
         draft_freed = self.drafter.after_verify(req)
         if req.spec_stats is None:

@@ -156,10 +156,11 @@ def finished_event(engine: Engine, req: Req, out: Any) -> ev.RequestFinished:
         timings=out.timings, spec=out.spec, error=out.error)
 
 
-def kv_event(engine: Engine, req_id: str | None, op: str, slots: list[int], reason: str, n: int) -> ev.KVEvent:
+def kv_event(engine: Engine, req_id: str | None, op: str, slots: list[int], reason: str) -> ev.KVEvent:
+    """A KV operation, emitted after it happened: `kv_used` is the pool's occupancy afterwards."""
     alloc = engine.memory.allocator
     return ev.KVEvent(step=engine.step_no, req_id=req_id, t=_now(), op=op, slots=slots, reason=reason,
-                      kv_used=alloc.used() - (n if op in ("free", "rollback") else 0), kv_total=alloc.size)
+                      kv_used=alloc.used(), kv_total=alloc.size)
 
 
 def emit_schedule_kv(engine: Engine, batch: Any) -> None:
@@ -169,23 +170,25 @@ def emit_schedule_kv(engine: Engine, batch: Any) -> None:
     for req in batch.preempted:
         slots = engine.scheduler.preempted_slots.get(req.req_id)
         if slots is not None and slots.numel():
-            engine.tracer.emit(kv_event(engine, req.req_id, "free", slots.tolist(), "preempt", 0))
+            engine.tracer.emit(kv_event(engine, req.req_id, "free", slots.tolist(), "preempt"))
     for req, slots, source in batch.cache_hits:
         engine.tracer.emit(kv_event(engine, req.req_id, "alloc", slots.tolist(),
-                                    f"copy of {source}'s cached KV ({slots.numel()} tokens)", 0))
+                                    f"copy of {source}'s cached KV ({slots.numel()} tokens)"))
 
 
-def emit_release_kv(engine: Engine, req_id: str, slots: list[int], kept: bool, reason: str) -> None:
-    """A finished or aborted request's KV, after the fact: freed, or kept by the prefix cache."""
-    if slots:
-        engine.tracer.emit(kv_event(engine, req_id, "cache" if kept else "free", slots,
-                                    f"{reason}: kept by the prefix cache" if kept else reason, 0))
+def emit_release_kv(engine: Engine, req_id: str, released: Any, reason: str) -> None:
+    """A finished or aborted request's KV (a scheduler `Released`): freed, or kept by the prefix cache,
+    and the cache entries that keeping it superseded."""
+    if released.slots.numel():
+        engine.tracer.emit(kv_event(engine, req_id, "cache" if released.kept else "free", released.slots.tolist(),
+                                    f"{reason}: kept by the prefix cache" if released.kept else reason))
+    emit_evicted(engine, released.dropped, f"superseded by {req_id}")
 
 
 def emit_evicted(engine: Engine, entries: list, why: str) -> None:
     for entry in entries:
         engine.tracer.emit(kv_event(engine, None, "evict", entry.slots.tolist(),
-                                    f"prefix cache: {entry.source}'s {len(entry.tokens)} tokens ({why})", 0))
+                                    f"prefix cache: {entry.source}'s {len(entry.tokens)} tokens ({why})"))
 
 
 def stamp_event(engine: Engine, req_id: str, stage: str, detail: dict[str, Any], t: float | None = None,
