@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequenc
 from typing import Any
 
 from workbench.trace.events import Event, RequestAdded, RequestFinished, event_from_json
+from workbench.trace.format import STEP_COLUMNS, StepSummary
 from workbench.trace.reader import RequestInfo, StepInfo
-from workbench.trace.store import STEP_COLUMNS, StepSummary
 
 EVENTS_PATH = "/debug/events"
 FLUSH_SECONDS = 0.05  # hand events to the UI at least this often while they arrive

@@ -31,9 +31,9 @@ from workbench.trace.events import (
     SpecVerify,
     TokenChosen,
 )
+from workbench.trace.format import STEP_COLUMNS, StepSummary
 from workbench.trace.reader import StepInfo, Trace, open_trace
 from workbench.trace.recorder import MemorySink
-from workbench.trace.store import STEP_COLUMNS, StepSummary
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 Owns: validating an untrusted file (every failure is one `TraceError` with a one-line message),
 lazy access to steps, events, requests, timelines, tensors and pandas frames, and following a file
 that is still being written. Never writes: the file is opened read-only. Does not own the layout
-(store.py) or what events mean (events.py). pandas is imported only inside the `*_frame` methods.
+(format.py) or what events mean (events.py). pandas is imported only inside the `*_frame` methods.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from workbench.trace.events import (
     TokenChosen,
     event_from_json,
 )
-from workbench.trace.store import FORMAT, STEP_COLUMNS, events_sql, file_problem
+from workbench.trace.format import FORMAT, STEP_COLUMNS, events_sql, file_problem
 
 if TYPE_CHECKING:
     import numpy as np

@@ -1,7 +1,7 @@
 """The tracer the engine emits through, and the sinks that receive events.
 
 Owns: trace levels at run time, fan-out of events to sinks (in-memory list, the SQLite store,
-live subscribers). Does not own: what events mean (events.py) or how files are laid out (store.py).
+live subscribers). Does not own: what events mean (events.py) or how files are laid out (format.py).
 `Tracer.on` is a plain attribute so that the engine's `if tracer.on:` guard is the only cost at
 level `off`.
 """

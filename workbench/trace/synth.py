@@ -4,7 +4,7 @@ Owns: `write_synthetic_trace`, used by tests and benchmarks (reader open time on
 trace). It simulates continuous batching (arrivals, chunked prefill, MIXED and DECODE steps,
 speculative draft/verify steps, finishes by length and stop) and emits every event kind with
 payloads shaped like the engine's. It bypasses the writer thread, but writes the same layout
-through store.py. It does not run a model: token ids, texts and probabilities are random.
+through format.py. It does not run a model: token ids, texts and probabilities are random.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from workbench.trace import events as ev
 from workbench.trace.events import Event
-from workbench.trace.store import StepSummary, create_indexes, create_schema, json_dumps, upsert_steps
+from workbench.trace.format import StepSummary, create_indexes, create_schema, json_dumps, upsert_steps
 
 _WORDS = ["the", " cat", " sat", " on", " a", " mat", ".", "\n", " é", " naïve", " 日本", ' "q"', " \\", " ok",
           " token", " batch", " step", ",", " and", " then", " 🙂", " KV", " cache", " is", " full"]

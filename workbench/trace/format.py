@@ -1,0 +1,257 @@
+"""The `.wbtrace` file layout: an SQLite database (schema version `events.SCHEMA_VERSION`).
+
+Owns: the tables, their indexes and the SQL that uses them, the per-step summaries the reader uses
+to open large traces instantly, and how tensors are encoded. `store.TraceWriter` writes this
+layout; `reader.Trace` reads it. Does not own what events mean (events.py).
+
+- `meta(key, value)`: JSON values. Always `format` (= "wbtrace"), `schema_version`, `created`,
+  `finished` (false until the writer closes); then whatever the engine sets (config, model, ...).
+- `events(id, step, req_id, kind, t, payload)`: one row per event, payload as JSON, in emission order.
+- `steps(step, mode, batch_size, num_tokens, ...)`: one summary row per step, kept in the same
+  transaction as its events, so a committed file is always self-consistent.
+- `tensors(name, step, req_id, data)`: safetensors bytes (one array under the key "data"). Never pickle.
+"""
+
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import enum
+import json
+import os
+import sqlite3
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from workbench.trace.events import SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    import numpy as np
+
+FORMAT = "wbtrace"
+SQLITE_MAGIC = b"SQLite format 3\x00"
+APPLICATION_ID = 0x57425452  # "WBTR": lets tools recognise the file from its SQLite header
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events(
+    id INTEGER PRIMARY KEY, step INTEGER NOT NULL, req_id TEXT, kind TEXT NOT NULL,
+    t REAL NOT NULL, payload TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS steps(
+    step INTEGER PRIMARY KEY, mode TEXT, batch_size INTEGER, num_tokens INTEGER,
+    output_tokens INTEGER, forward_ms REAL, kv_used INTEGER, kv_total INTEGER, req_ids TEXT,
+    t_start REAL, t_end REAL, first_id INTEGER, last_id INTEGER, num_events INTEGER,
+    spec_proposed INTEGER, spec_accepted INTEGER);
+CREATE TABLE IF NOT EXISTS tensors(name TEXT PRIMARY KEY, step INTEGER, req_id TEXT, data BLOB NOT NULL);
+"""
+_INDEXES = """
+CREATE INDEX IF NOT EXISTS events_step ON events(step);
+CREATE INDEX IF NOT EXISTS events_req ON events(req_id, step);
+CREATE INDEX IF NOT EXISTS events_kind ON events(kind, step);
+"""
+
+STEP_COLUMNS = (
+    "step", "mode", "batch_size", "num_tokens", "output_tokens", "forward_ms", "kv_used", "kv_total",
+    "req_ids", "t_start", "t_end", "first_id", "last_id", "num_events", "spec_proposed", "spec_accepted",
+)
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):  # numpy scalars and arrays, CPU tensors
+        return obj.tolist()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj, key=repr)
+    return str(obj)
+
+
+# One encoder for every payload: json.dumps(**kwargs) would build a new one per call (2x slower).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=True, default=_json_default)
+
+
+def json_dumps(value: Any) -> str:
+    """Compact JSON; numpy values become lists, dataclasses dicts, enums their value, the rest str()."""
+    return _ENCODER.encode(value)
+
+
+def create_schema(conn: sqlite3.Connection, meta: dict[str, Any], indexes: bool = True) -> None:
+    """Create the tables in an empty database and write the format marker and the given meta.
+
+    A bulk loader passes `indexes=False` and calls `create_indexes` after inserting (faster).
+    """
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    conn.executescript(f"BEGIN; {_SCHEMA} {_INDEXES if indexes else ''} COMMIT;")
+    base = {
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "finished": False,
+    }
+    rows = [(k, json_dumps(v)) for k, v in {**meta, **base}.items()]
+    conn.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", rows)
+
+
+def create_indexes(conn: sqlite3.Connection) -> None:
+    conn.executescript(f"BEGIN; {_INDEXES} COMMIT;")
+
+
+def file_problem(path: str) -> str | None:
+    """Why `path` cannot be a trace, for what SQLite would misreport (missing, empty, foreign, truncated)."""
+    if not os.path.exists(path):
+        return "no such trace file"
+    if os.path.isdir(path):
+        return "is a directory, not a trace file"
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        header = f.read(100)
+    if size == 0:
+        return "empty file, not a workbench trace"
+    if not header.startswith(SQLITE_MAGIC):
+        return "not a workbench trace (not an SQLite database)"
+    if len(header) < 100:
+        return f"truncated trace file ({size} bytes)"
+    page_size = int.from_bytes(header[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    pages = int.from_bytes(header[28:32], "big")
+    header_size_valid = header[24:28] == header[92:96]
+    live = os.path.exists(path + "-wal")  # a live writer may be mid-checkpoint; SQLite checks then
+    if header_size_valid and not live and size < pages * page_size:
+        return f"truncated trace file ({size} of {pages * page_size} bytes)"
+    return None
+
+
+def events_sql(columns: str, kind: str | Sequence[str] | None, req_id: str | None,
+               step_range: tuple[int, int] | None, limit: int | None) -> tuple[str, list[Any]]:
+    """SQL for the event filters, ordered (step, id) so that each index also gives the order."""
+    where, params = [], []
+    # With a request given, its index (a few hundred rows) beats the kind index (a share of all
+    # rows): `+kind` keeps SQLite's planner off the kind index.
+    col = "+kind" if req_id is not None else "kind"
+    if isinstance(kind, str):
+        where, params = [f"{col} = ?"], [kind]
+    elif kind is not None:
+        kinds = list(kind)
+        where, params = [f"{col} IN ({', '.join('?' * len(kinds))})"], kinds
+    if req_id is not None:
+        where.append("req_id = ?")
+        params.append(req_id)
+    if step_range is not None:
+        lo, hi = step_range
+        where.append("step BETWEEN ? AND ?")
+        params += [int(lo), int(hi)]
+    sql = f"SELECT {columns} FROM events" + (" WHERE " + " AND ".join(where) if where else "")
+    sql += " ORDER BY step, id"
+    if limit is not None:
+        sql += " LIMIT ?"
+        params.append(int(limit))
+    return sql, params
+
+
+@dataclass(slots=True)
+class StepSummary:
+    """The running summary of one step, folded from its events (a row of the `steps` table)."""
+
+    step: int
+    mode: str | None = None
+    batch_size: int = 0
+    num_tokens: int = 0
+    output_tokens: int = 0
+    forward_ms: float = 0.0
+    kv_used: int | None = None
+    kv_total: int | None = None
+    req_ids: list[str] = field(default_factory=list)
+    t_start: float | None = None
+    t_end: float | None = None
+    first_id: int | None = None
+    last_id: int | None = None
+    num_events: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    _batch_ids_from_forward: bool = field(default=False, repr=False)
+
+    def add(self, event_id: int, kind: str, t: float, p: dict[str, Any]) -> None:
+        """Fold one event (its kind, time and payload dict) into the summary."""
+        self.num_events += 1
+        self.first_id = event_id if self.first_id is None else min(self.first_id, event_id)
+        self.last_id = event_id if self.last_id is None else max(self.last_id, event_id)
+        self.t_start = t if self.t_start is None else min(self.t_start, t)
+        self.t_end = t if self.t_end is None else max(self.t_end, t)
+        if kind == "schedule":
+            self.mode = p.get("mode", self.mode)
+            self.num_tokens = max(self.num_tokens, int(p.get("tokens_scheduled") or 0))
+            self.kv_used, self.kv_total = p.get("kv_used"), p.get("kv_total")
+            if not self._batch_ids_from_forward:
+                prefill = [c.get("req_id") for c in p.get("prefill", []) if isinstance(c, dict)]
+                self._merge_ids(prefill + list(p.get("decode", [])))
+        elif kind == "forward_batch":
+            self.mode = self.mode or p.get("forward_mode")
+            # requests, not rows: a verify forward packs each request's k+1 positions as k+1 rows
+            ids = p.get("req_ids")
+            rows = len(set(map(str, ids))) if isinstance(ids, list) and ids else int(p.get("batch_size") or 0)
+            self.batch_size = max(self.batch_size, rows)
+            self.num_tokens = max(self.num_tokens, len(p.get("input_ids") or ()))
+            if not self._batch_ids_from_forward:
+                self.req_ids, self._batch_ids_from_forward = [], True
+            self._merge_ids(p.get("req_ids") or [])
+        elif kind == "forward":
+            self.mode = self.mode or p.get("forward_mode")
+            self.forward_ms += float(p.get("forward_ms") or 0.0)
+            if not self._batch_ids_from_forward:  # the ForwardBatch's request ids count better than rows
+                self.batch_size = max(self.batch_size, int(p.get("batch_size") or 0))
+            self.num_tokens = max(self.num_tokens, int(p.get("num_tokens") or 0))
+        elif kind == "kv":
+            self.kv_used, self.kv_total = p.get("kv_used"), p.get("kv_total")
+        elif kind == "token":
+            self.output_tokens += 1
+        elif kind == "spec.verify":
+            self.spec_proposed += len(p.get("draft_tokens") or ())
+            self.spec_accepted += int(p.get("num_accepted") or 0)
+
+    def _merge_ids(self, ids: list[Any]) -> None:
+        for rid in ids:
+            if rid is not None and rid not in self.req_ids:
+                self.req_ids.append(str(rid))
+
+    def row(self) -> tuple[Any, ...]:
+        values = [getattr(self, c) for c in STEP_COLUMNS]
+        values[STEP_COLUMNS.index("req_ids")] = json_dumps(self.req_ids)
+        return tuple(values)
+
+    @classmethod
+    def from_row(cls, row: tuple[Any, ...]) -> StepSummary:
+        values = dict(zip(STEP_COLUMNS, row, strict=True))
+        values["req_ids"] = json.loads(values["req_ids"] or "[]")
+        out = cls(**values)
+        out._batch_ids_from_forward = True  # a reloaded step keeps the batch it already had
+        return out
+
+
+def upsert_steps(conn: sqlite3.Connection, summaries: list[StepSummary]) -> None:
+    marks = ", ".join("?" * len(STEP_COLUMNS))
+    conn.executemany(f"INSERT OR REPLACE INTO steps VALUES ({marks})", [s.row() for s in summaries])
+
+
+def tensor_bytes(array: Any) -> bytes:
+    """Safetensors bytes of one array under the key "data"."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    return save({"data": np.ascontiguousarray(array)})
+
+
+def to_numpy(array: Any) -> np.ndarray:
+    """A private numpy copy of an array or a CPU/GPU tensor (duck-typed: torch is never imported)."""
+    import numpy as np
+
+    if hasattr(array, "detach"):
+        tensor = array.detach()
+        if str(tensor.dtype) in ("torch.bfloat16", "torch.float8_e4m3fn", "torch.float8_e5m2"):
+            tensor = tensor.float()  # numpy has no bfloat16/float8
+        return np.array(tensor.cpu().numpy(), copy=True)
+    return np.array(array, copy=True)
