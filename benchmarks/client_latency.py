@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import re
-import socket
 import sys
 import time
 from pathlib import Path
@@ -37,23 +36,15 @@ import httpx
 
 from workbench.client import ClientReport, add_client_args, run_benchmark
 from workbench.client_stream import ServerView, StreamRecord, slow_transport, stream_request
+from workbench.server.background import ServerProcess
 from workbench.trace.latency import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when run through `workbench bench`
-
-from server_latency import start_server  # noqa: E402  (one launcher for both latency benchmarks)
 
 BEGIN, END = "<!-- client_latency: begin -->", "<!-- client_latency: end -->"
 HEADING = "## Client vs server latency (queue to socket)"
 COLUMNS = (("client", "client_ttft", "client_itl"), ("server engine", "server_ttft", "server_itl"),
            ("server socket", "socket_ttft", "socket_itl"), ("network gap", "ttft_gap", "gap"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def client_args(url: str, requests: int, concurrency: int, new: int) -> argparse.Namespace:
@@ -166,9 +157,9 @@ def main() -> int:
     ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(args.model, port)
+    server = ServerProcess(["--model", args.model, "--trace-level", "summary", "--log-level", "warning"],
+                           cwd=str(ROOT)).start()
+    url = server.url
     reports, slow_rows = [], []
     try:
         asyncio.run(run_benchmark(client_args(url, 1, 1, 4)))  # warm up
@@ -180,8 +171,7 @@ def main() -> int:
             served = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
             slow_rows = asyncio.run(slow_reader_isolation(url, served, args.slow_rounds, args.fast_new, args.slow_new))
     finally:
-        proc.terminate()
-        proc.wait(30)
+        server.stop()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     text = (f"`python benchmarks/client_latency.py` — {args.model}, {args.new} output tokens per request "
             f"(ignore_eos), {args.rounds} requests per stream, server in its own process (trace level summary), "

@@ -18,9 +18,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -28,34 +25,16 @@ from pathlib import Path
 
 import httpx
 
+from workbench.server.background import ServerProcess
+
 ROOT = Path(__file__).resolve().parent.parent
 TOPICS = ["the ocean", "a city at night", "coffee", "mountains", "a robot learning to paint", "winter",
           "bread", "black holes", "a lighthouse keeper", "jazz", "honeybees", "trains", "the moon", "origami"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model: str, port: int, trace_level: str = "summary") -> subprocess.Popen:
+def start_server(model: str, trace_level: str = "summary") -> ServerProcess:
     """`python -m workbench.server` in its own process; returns once /health answers."""
-    cmd = [sys.executable, "-m", "workbench.server", "--model", model, "--port", str(port),
-           "--trace-level", trace_level, "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not become healthy")
+    return ServerProcess(["--model", model, "--trace-level", trace_level, "--log-level", "warning"], cwd=str(ROOT)).start()
 
 
 async def one_request(http: httpx.AsyncClient, model: str, prompt: str, new: int) -> dict:
@@ -158,9 +137,8 @@ def main() -> int:
         from workbench.engine.engine import Engine
 
         engine = Engine(args.model, trace_level=args.trace_level)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(args.model, port, args.trace_level)
+    server = start_server(args.model, args.trace_level)
+    url = server.url
     rows = []
     try:
         asyncio.run(run_level(url, args.model, 2, 1, 8))  # warm-up (first-request costs)
@@ -179,11 +157,7 @@ def main() -> int:
                   f"ITL p50/p99 {r['itl_p50_ms']}/{r['itl_p99_ms']} ms  {r['output_tok_s']:.1f} tok/s"
                   + (f"  ({r['server_vs_engine_tok_s']:.2f}x the engine alone)" if engine is not None else ""), flush=True)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        server.stop()
     machine = {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                "load_avg_1m_at_end": round(os.getloadavg()[0], 2)}  # a shared machine's load skews latency
     report = {"model": args.model, "new_tokens": args.new, "requests_per_client": args.requests_per_client,

@@ -31,6 +31,7 @@ from workbench.server.output_buffer import StreamLimits
 from workbench.trace.latency import RequestLatency, percentile
 from workbench.trace.recorder import MemorySink
 
+pytestmark = pytest.mark.usefixtures("frozen_heap")  # it times streams: no suite-wide GC pause inside
 MODEL = "tiny-random"
 CHAT = [{"role": "user", "content": "Tell me a very long story about a lighthouse."}]
 

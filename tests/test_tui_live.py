@@ -26,7 +26,7 @@ from tui.live import LiveTrace, events_url, parse_sse
 from workbench.trace.reader import open_trace
 from workbench.trace.store import TraceWriter
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("frozen_heap")]
 
 
 class StandInServer:

@@ -1,11 +1,11 @@
-"""Live mode against the real server: `workbench serve`'s app on tiny-random, the TUI following
-`/debug/events` while a completion runs, each new step on screen within a second of the server
-sending it, and the request's tokens and finish decision in the panes once it is done.
+"""Live mode against the real server: `workbench serve` on tiny-random in its own process (as a user
+runs it beside the TUI), the TUI following `/debug/events` while a completion runs, each new step on
+screen within a second of the server sending it, and the request's tokens and finish decision in the
+panes once it is done.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 
@@ -18,23 +18,22 @@ from tests.test_tui_panes import SIZE, pane, settle
 from tui.app import WorkbenchApp
 from tui.live import events_url
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("frozen_heap")]
 MODEL = "tiny-random"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a BackgroundServer
-    from workbench.server.background import BackgroundServer
-    from workbench.server.cli_args import add_serve_args, build_server
+def server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a ServerProcess
+    from workbench.server.background import ServerProcess
+    from workbench.trace.reader import open_trace
 
-    parser = argparse.ArgumentParser()
-    add_serve_args(parser)
-    args = parser.parse_args(["--model", MODEL, "--device", "cpu",
-                              "--trace-dir", str(tmp_path_factory.mktemp("tui_server"))])
-    engine, app = build_server(args)
-    with BackgroundServer(app) as srv:
+    trace_dir = tmp_path_factory.mktemp("tui_server")
+    with ServerProcess(["--model", MODEL, "--device", "cpu", "--log-level", "warning", "--trace-dir", str(trace_dir)]) as srv:
         yield srv
-    engine.close()
+    # SIGTERM was a graceful shutdown: the server closed its trace, every step the TUI saw is in it
+    (path,) = trace_dir.glob("*.wbtrace")
+    trace = open_trace(path)
+    assert trace.finished and trace.num_steps >= 16
 
 
 def complete(url: str, prompt: str, max_tokens: int) -> dict:

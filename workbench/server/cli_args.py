@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import gc
 import ipaddress
 import logging
 import os
@@ -106,6 +107,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"workbench serve: error: {exc}", file=sys.stderr)
         return 2
     state = app.state.workbench
+    # Everything loaded so far (model, tokenizer, app) lives as long as the process: freeze it so that
+    # the collector never rescans it, and a full collection cannot pause a stream (as vLLM does)
+    gc.collect()
+    gc.freeze()
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
