@@ -32,11 +32,6 @@ TOPICS = ["the ocean", "a city at night", "coffee", "mountains", "a robot learni
           "bread", "black holes", "a lighthouse keeper", "jazz", "honeybees", "trains", "the moon", "origami"]
 
 
-def start_server(model: str, trace_level: str = "summary") -> ServerProcess:
-    """`python -m workbench.server` in its own process; returns once /health answers."""
-    return ServerProcess(["--model", model, "--trace-level", trace_level, "--log-level", "warning"], cwd=str(ROOT)).start()
-
-
 async def one_request(http: httpx.AsyncClient, model: str, prompt: str, new: int) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": new,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
@@ -137,7 +132,8 @@ def main() -> int:
         from workbench.engine.engine import Engine
 
         engine = Engine(args.model, trace_level=args.trace_level)
-    server = start_server(args.model, args.trace_level)
+    server = ServerProcess(["--model", args.model, "--trace-level", args.trace_level, "--log-level", "warning"],
+                           cwd=str(ROOT)).start()
     url = server.url
     rows = []
     try:

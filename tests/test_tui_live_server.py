@@ -32,8 +32,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a Server
         yield srv
     # SIGTERM was a graceful shutdown: the server closed its trace, every step the TUI saw is in it
     (path,) = trace_dir.glob("*.wbtrace")
-    trace = open_trace(path)
-    assert trace.finished and trace.num_steps >= 16
+    with open_trace(path) as trace:
+        assert trace.finished and trace.num_steps >= 16
 
 
 def complete(url: str, prompt: str, max_tokens: int) -> dict:

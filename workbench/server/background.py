@@ -58,7 +58,7 @@ class BackgroundServer:
         self.stop()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on right now (the OS picks it)."""
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -75,7 +75,7 @@ class ServerProcess:
     def __init__(self, args: Sequence[str], *, host: str = "127.0.0.1", start_timeout: float = 300.0,
                  stop_timeout: float = 60.0, cwd: str | None = None) -> None:
         self.host = host
-        self.port = free_port(host)
+        self.port = _free_port(host)
         self.args = [*args, "--host", host, "--port", str(self.port)]
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
