@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tqdm.auto import tqdm  # noqa: E402
 
 from workbench.engine.engine import Engine  # noqa: E402
-from workbench.engine.sampling_params import SamplingParams  # noqa: E402
+from workbench.engine.sample.sampling_params import SamplingParams  # noqa: E402
 from workbench.models import load_model  # noqa: E402
 
 SYSTEM = ("You are a patient tutor for engineers who build LLM inference engines. Answer precisely, in plain "

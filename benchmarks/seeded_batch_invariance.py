@@ -49,7 +49,7 @@ def _first_divergence(a: list[int], b: list[int]) -> int:
 
 
 def _params(i: int, new: int, seed: int):
-    from workbench.engine.sampling_params import SamplingParams
+    from workbench.engine.sample.sampling_params import SamplingParams
 
     # varied sampling parameters, so the batch mixes rows that take different paths through the stages
     return SamplingParams(temperature=0.7 + 0.05 * (i % 7), top_p=(0.9, 0.95, 1.0)[i % 3],

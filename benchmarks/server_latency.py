@@ -82,7 +82,7 @@ async def run_level(url: str, model: str, clients: int, per_client: int, new: in
 
 def engine_baseline(engine, clients: int, per_client: int, new: int) -> dict:
     """The same work through `Engine.generate` in-process (no HTTP): what the server's numbers compare to."""
-    from workbench.engine.sampling_params import SamplingParams
+    from workbench.engine.sample.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
     engine.generate([[{"role": "user", "content": "warm up"}]], params.replace(max_new_tokens=4))

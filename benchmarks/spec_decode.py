@@ -55,7 +55,7 @@ def workloads(n: int) -> dict[str, list]:
 
 def run(loaded, spec: str | None, prompts: list, new: int, batch: int, repeat: int = 1) -> dict:
     from workbench.engine.engine import Engine
-    from workbench.engine.sampling_params import SamplingParams
+    from workbench.engine.sample.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
     engine = Engine(loaded, trace_level="off", spec=spec)

@@ -34,9 +34,9 @@ def chat_prompts(n: int) -> list[list[dict[str, str]]]:
 
 def bench_engine(loaded, prompts, new: int, trace_level: str = "off", trace_path: str | None = None,
                  cpu_kernels: bool = True, eos: bool = False, **engine_kwargs) -> dict:
-    from workbench.engine import cpu_kernels as kernels
     from workbench.engine.engine import Engine
-    from workbench.engine.sampling_params import SamplingParams
+    from workbench.engine.run import cpu_kernels as kernels
+    from workbench.engine.sample.sampling_params import SamplingParams
 
     engine = Engine(loaded, trace=trace_path, trace_level=trace_level, **engine_kwargs)
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=not eos)

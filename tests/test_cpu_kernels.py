@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workbench.engine import cpu_kernels
 from workbench.engine.engine import Engine
-from workbench.engine.sampling_params import SamplingParams
+from workbench.engine.run import cpu_kernels
+from workbench.engine.sample.sampling_params import SamplingParams
 
 NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.tokenizers_fixtures import smollm2_tokenizer, sp_tokenizer  # noqa: F401  (pytest fixtures)
-from workbench.engine.detokenizer import IncrementalDetokenizer, render_ids
+from workbench.engine.output.detokenizer import IncrementalDetokenizer, render_ids
 from workbench.trace.events import DetokState, event_loads
 
 PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from workbench.engine.engine import Engine, StepFailed
-from workbench.engine.memory import TokenToKVPoolAllocator
-from workbench.engine.sampling_params import SamplingParams
+from workbench.engine.sample.sampling_params import SamplingParams
+from workbench.engine.sched.memory import TokenToKVPoolAllocator
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "Roses are red,",
            "The quick brown fox", "In 1969, the first"]

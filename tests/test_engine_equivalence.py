@@ -9,7 +9,7 @@ import pytest
 from tests.hf_reference import greedy_reference, token_logprobs
 from tests.prompts import PROMPTS
 from workbench.engine.engine import Engine
-from workbench.engine.sampling_params import SamplingParams
+from workbench.engine.sample.sampling_params import SamplingParams
 
 NEW = 64
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=NEW, logprobs=True)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from workbench.engine.finish import FinishInputs, decide_finish
+from workbench.engine.output.finish import FinishInputs, decide_finish
 from workbench.trace.events import FinishDecision, event_loads
 
 EOS, STOP_ID, OTHER = 2, 7, 100

@@ -8,7 +8,7 @@ import torch
 
 from tests.prompts import PROMPTS
 from workbench.engine.engine import Engine
-from workbench.engine.sampling_params import SamplingParams
+from workbench.engine.sample.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 NEW = 48

@@ -12,7 +12,7 @@ import asyncio
 import threading
 
 from workbench.engine.engine import Engine
-from workbench.engine.sampling_params import SamplingParams
+from workbench.engine.sample.sampling_params import SamplingParams
 from workbench.server.engine_loop import EngineLoop
 from workbench.trace.recorder import MemorySink
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from workbench.engine.engine import Engine
-from workbench.engine.output import StepOutput, TokenLogprob
+from workbench.engine.output.output import StepOutput, TokenLogprob
 from workbench.server.app import create_app
 from workbench.server.background import BackgroundServer
 from workbench.server.engine_loop import StreamItem

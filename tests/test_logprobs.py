@@ -12,9 +12,9 @@ import torch
 
 from tests.hf_reference import stock_model
 from workbench.engine.engine import Engine
-from workbench.engine.request import Req
-from workbench.engine.sampler import Sampler, SamplingBatchInfo
-from workbench.engine.sampling_params import SamplingParams
+from workbench.engine.sample.sampler import Sampler, SamplingBatchInfo
+from workbench.engine.sample.sampling_params import SamplingParams
+from workbench.engine.sched.request import Req
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then it"
 

@@ -70,7 +70,7 @@ def test_live_view_refuses_an_engine_that_does_not_trace() -> None:
 
 def test_live_view_redraws_while_a_real_engine_generates() -> None:
     from workbench.engine.engine import Engine
-    from workbench.engine.sampling_params import SamplingParams
+    from workbench.engine.sample.sampling_params import SamplingParams
 
     drawn: list[int] = []
 

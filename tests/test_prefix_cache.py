@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from workbench.engine.engine import Engine
-from workbench.engine.sampling_params import SamplingParams
+from workbench.engine.sample.sampling_params import SamplingParams
 from workbench.replay import replay
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, logprobs=True)

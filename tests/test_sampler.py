@@ -13,9 +13,9 @@ import torch
 from scipy.stats import chisquare
 from transformers.generation import logits_process as hf
 
-from workbench.engine.request import Req
-from workbench.engine.sampler import STAGES, Sampler, SamplingBatchInfo
-from workbench.engine.sampling_params import SamplingParams
+from workbench.engine.sample.sampler import STAGES, Sampler, SamplingBatchInfo
+from workbench.engine.sample.sampling_params import SamplingParams
+from workbench.engine.sched.request import Req
 
 V = 40
 EOS = 2

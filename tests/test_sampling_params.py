@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from workbench.engine.sampling_params import (
+from workbench.engine.sample.sampling_params import (
     MAX_N,
     MAX_STOP_LEN,
     MAX_STOP_STRINGS,

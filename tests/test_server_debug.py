@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from workbench.engine.engine import Engine
-from workbench.engine.sampling_params import SamplingParams
+from workbench.engine.sample.sampling_params import SamplingParams
 from workbench.server.background import BackgroundServer
 from workbench.server.cli_args import add_serve_args, build_server
 from workbench.server.event_hub import EventHub

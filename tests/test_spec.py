@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from workbench.engine.engine import Engine
-from workbench.engine.sampling_params import SamplingParams
-from workbench.engine.spec import SpecConfig, parse_spec
-from workbench.engine.spec_drafters import lookup
+from workbench.engine.sample.sampling_params import SamplingParams
+from workbench.engine.spec.config import SpecConfig, parse_spec
+from workbench.engine.spec.drafters import lookup
 
 PROMPTS = [
     "hello there hello there hello",

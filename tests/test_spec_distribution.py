@@ -19,10 +19,10 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 
 from workbench.engine.engine import Engine
-from workbench.engine.request import Req
-from workbench.engine.sampler import Sampler, SamplingBatchInfo
-from workbench.engine.sampling_params import SamplingParams
-from workbench.engine.spec_verify import sampler_draw, verify_sampled
+from workbench.engine.sample.sampler import Sampler, SamplingBatchInfo
+from workbench.engine.sample.sampling_params import SamplingParams
+from workbench.engine.sched.request import Req
+from workbench.engine.spec.verify import sampler_draw, verify_sampled
 
 N = 10_000
 GROUP = 125  # requests with n=GROUP siblings share one prompt prefill

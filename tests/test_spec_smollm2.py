@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from workbench.engine.engine import Engine
-from workbench.engine.sampling_params import SamplingParams
+from workbench.engine.sample.sampling_params import SamplingParams
 
 TEXT = "The cat sat on the warm mat and watched the birds in the old oak tree."
 CODE = "def add(a, b):\n    return a + b\n"

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from workbench.engine.engine import Engine
-from workbench.engine.grammar import GrammarBackend
-from workbench.engine.sampler import Sampler, SamplingBatchInfo
-from workbench.engine.sampling_params import SamplingParams
+from workbench.engine.sample.grammar import GrammarBackend
+from workbench.engine.sample.sampler import Sampler, SamplingBatchInfo
+from workbench.engine.sample.sampling_params import SamplingParams
 
 SCHEMA = {
     "type": "object",

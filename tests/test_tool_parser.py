@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.tokenizers_fixtures import smollm2_tokenizer  # noqa: F401  (pytest fixture)
-from workbench.engine.tool_parser import (
+from workbench.engine.output.tool_parser import (
     StreamingToolParser,
     ToolParseResult,
     inject_tools,

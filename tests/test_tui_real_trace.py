@@ -38,7 +38,7 @@ class Recorded:
 @pytest.fixture(scope="session")
 def real_trace(tmp_path_factory: pytest.TempPathFactory) -> Recorded:
     from workbench.engine.engine import Engine
-    from workbench.engine.sampling_params import SamplingParams
+    from workbench.engine.sample.sampling_params import SamplingParams
 
     path = tmp_path_factory.mktemp("tui_real") / "smollm2.wbtrace"
     # without prefix sharing both chats prefill in the same first step, the scene the snapshots show

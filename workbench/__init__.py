@@ -8,8 +8,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Engine": ("workbench.engine.engine", "Engine"),
-    "SamplingParams": ("workbench.engine.sampling_params", "SamplingParams"),
-    "RequestOutput": ("workbench.engine.output", "RequestOutput"),
+    "SamplingParams": ("workbench.engine.sample.sampling_params", "SamplingParams"),
+    "RequestOutput": ("workbench.engine.output.output", "RequestOutput"),
     "open_trace": ("workbench.trace.reader", "open_trace"),
 }
 

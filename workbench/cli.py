@@ -40,7 +40,7 @@ def _make_engine(args: argparse.Namespace, trace: str | None = None):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from workbench.engine.sampling_params import params_from_args
+    from workbench.engine.sample.sampling_params import params_from_args
 
     params = params_from_args(args)
     engine = _make_engine(args)
@@ -59,7 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def record_demo(path: str, model: str = "smollm2", spec: str | None = "ngram:k=4") -> str:
     """Record the demo trace: concurrent chats, a stop string and speculative decoding."""
     from workbench.engine.engine import Engine
-    from workbench.engine.sampling_params import SamplingParams
+    from workbench.engine.sample.sampling_params import SamplingParams
 
     Path(path).unlink(missing_ok=True)
     with Engine(model, trace=path, trace_level="summary", spec=spec) as engine:
@@ -154,7 +154,7 @@ def cmd_make_traces(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from workbench.engine.sampling_params import add_sampling_args
+    from workbench.engine.sample.sampling_params import add_sampling_args
 
     parser = argparse.ArgumentParser(prog="workbench", description="See inside an LLM inference engine.")
     sub = parser.add_subparsers(dest="command", required=True)

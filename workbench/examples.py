@@ -13,7 +13,7 @@ EDIT_TEXT = "The quick brown fox jumps over the lazy dog. The dog sleeps in the 
 
 
 def _recipes() -> dict[str, dict[str, Any]]:
-    from workbench.engine.sampling_params import SamplingParams
+    from workbench.engine.sample.sampling_params import SamplingParams
 
     chat = lambda text: [{"role": "user", "content": text}]  # noqa: E731
     return {

@@ -129,7 +129,7 @@ def _build_engine(trace: Trace, engine_cfg: dict, device: str | None):
 
 
 def _submit(engine, reqs: list[dict]) -> None:
-    from workbench.engine.sampling_params import SamplingParams
+    from workbench.engine.sample.sampling_params import SamplingParams
 
     groups: dict[str, list[dict]] = defaultdict(list)
     for r in reqs:

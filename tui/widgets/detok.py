@@ -3,7 +3,7 @@
 Owns: drawing the ids consumed, the prefix/read offsets, characters decoded, the held-back text
 with the reason it is held (an incomplete UTF-8 character, or a tail that may start a stop
 string), the delta emitted to the stream and a matched stop string. Does not own detokenizing
-(workbench/engine/detokenizer.py).
+(workbench/engine/output/detokenizer.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Owns: drawing each check's name, inputs and result (fired or not), the decision (finish reason
 and evidence), and, on the step a request ends, its `request.finished` record (text, usage).
-Does not own the checks themselves (workbench/engine/finish.py).
+Does not own the checks themselves (workbench/engine/output/finish.py).
 """
 
 from __future__ import annotations

@@ -18,20 +18,21 @@ from typing import Any
 
 import torch
 
-from workbench.engine import cpu_kernels, tracing
-from workbench.engine.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
-from workbench.engine.grammar import GrammarBackend
-from workbench.engine.logprobs import store_prompt_logprobs
-from workbench.engine.memory import Memory
-from workbench.engine.model_runner import ModelRunner
-from workbench.engine.output import RequestOutput, StepOutput
-from workbench.engine.postprocess import OutputProcessor
-from workbench.engine.prefix_cache import PrefixCache
+from workbench.engine import tracing
+from workbench.engine.output.output import RequestOutput, StepOutput
+from workbench.engine.output.postprocess import OutputProcessor
 from workbench.engine.prompts import Prompt, as_prompt_list, tokenize_prompt
-from workbench.engine.request import Req, ReqStatus
-from workbench.engine.sampler import Sampler, SamplingBatchInfo
-from workbench.engine.sampling_params import SamplingParams
-from workbench.engine.scheduler import Scheduler
+from workbench.engine.run import cpu_kernels
+from workbench.engine.run.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
+from workbench.engine.run.model_runner import ModelRunner
+from workbench.engine.sample.grammar import GrammarBackend
+from workbench.engine.sample.logprobs import store_prompt_logprobs
+from workbench.engine.sample.sampler import Sampler, SamplingBatchInfo
+from workbench.engine.sample.sampling_params import SamplingParams
+from workbench.engine.sched.memory import Memory
+from workbench.engine.sched.prefix_cache import PrefixCache
+from workbench.engine.sched.request import Req, ReqStatus
+from workbench.engine.sched.scheduler import Scheduler
 from workbench.engine.timing import ReqTiming, StepClock
 from workbench.models.loader import LoadedModel, load_model
 from workbench.trace.recorder import MemorySink, Tracer
@@ -87,7 +88,7 @@ class Engine:
         self.tracer = tracing.make_tracer(trace, trace_level, trace_sinks, self)
         self.spec = None
         if spec is not None:
-            from workbench.engine.spec import make_spec_worker
+            from workbench.engine.spec.config import make_spec_worker
 
             self.spec = make_spec_worker(spec, self)
             self.scheduler.spec_headroom = self.spec.cfg.num_speculative_tokens

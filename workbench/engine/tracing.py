@@ -20,9 +20,9 @@ from workbench.trace.recorder import MemorySink, Tracer
 
 if TYPE_CHECKING:
     from workbench.engine.engine import Engine
-    from workbench.engine.forward_batch import ForwardBatch
-    from workbench.engine.request import Req
-    from workbench.engine.scheduler import ScheduleBatch
+    from workbench.engine.run.forward_batch import ForwardBatch
+    from workbench.engine.sched.request import Req
+    from workbench.engine.sched.scheduler import ScheduleBatch
 
 
 def make_tracer(path: str | None, level: str, sinks: list | None, engine: Engine) -> Tracer:

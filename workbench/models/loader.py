@@ -3,7 +3,7 @@
 Owns: resolving a spec (`smollm2`, `tiny-random`, `tiny-random-sp`, a local folder, a `.gguf`
 file, a hub id) to a transformers model + tokenizer on a device and dtype, the safetensors cache
 of dequantized GGUF weights, and the model's content hash (so replay can refuse another model).
-Does not own: running the model (engine/model_runner.py).
+Does not own: running the model (engine/run/model_runner.py).
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from workbench.engine.engine import StepFailed
-from workbench.engine.output import RequestOutput, StepOutput, TokenLogprob
-from workbench.engine.sampling_params import SamplingParams
+from workbench.engine.output.output import RequestOutput, StepOutput, TokenLogprob
+from workbench.engine.sample.sampling_params import SamplingParams
 from workbench.server.output_buffer import OutputBuffer, StreamLimits
 from workbench.trace.events import Stamp
 from workbench.trace.latency import Handoff

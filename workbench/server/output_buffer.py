@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from workbench.engine.output import StepOutput
+from workbench.engine.output.output import StepOutput
 from workbench.trace.latency import Handoff
 
 OVERFLOW = "output buffer overflow"

@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from workbench.engine.output import RequestOutput
-from workbench.engine.sampling_params import SamplingParams
+from workbench.engine.output.output import RequestOutput
+from workbench.engine.sample.sampling_params import SamplingParams
 from workbench.server.engine_loop import EngineLoop, EngineUnavailable, RequestHandle
 from workbench.server.errors import APIError, bad_request, from_validation_error
 from workbench.server.event_hub import EventHub

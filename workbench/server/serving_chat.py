@@ -19,8 +19,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from workbench.engine.output import RequestOutput
-from workbench.engine.tool_parser import StreamingToolParser, inject_tools, parse_tool_calls
+from workbench.engine.output.output import RequestOutput
+from workbench.engine.output.tool_parser import StreamingToolParser, inject_tools, parse_tool_calls
 from workbench.server.engine_loop import RequestHandle, StreamItem
 from workbench.server.errors import APIError, bad_request, error_body
 from workbench.server.logprobs import chat_logprobs

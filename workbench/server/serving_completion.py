@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from workbench.engine.output import RequestOutput
+from workbench.engine.output.output import RequestOutput
 from workbench.server.engine_loop import RequestHandle
 from workbench.server.errors import APIError, bad_request, error_body
 from workbench.server.logprobs import completion_logprobs

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from workbench.engine.memory import Memory
+from workbench.engine.sched.memory import Memory
 
 
 class ForwardMode(enum.Enum):

@@ -172,7 +172,7 @@ class SamplingParams:
         if len(given) > 1:
             raise ValueError(f"json_schema, regex and ebnf are mutually exclusive; got {' and '.join(given)}")
         if given:
-            from workbench.engine.grammar import check_grammar
+            from workbench.engine.sample.grammar import check_grammar
 
             check_grammar(given[0], getattr(self, given[0]))
 

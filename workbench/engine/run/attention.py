@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workbench.engine import cpu_kernels
+from workbench.engine.run import cpu_kernels
 
 ATTN_NAME = "workbench"
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench.engine.request import Req
+from workbench.engine.sched.request import Req
 
 
 @dataclass(slots=True)

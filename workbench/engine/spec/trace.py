@@ -17,10 +17,10 @@ from workbench.trace import events as ev
 
 if TYPE_CHECKING:
     from workbench.engine.engine import Engine
-    from workbench.engine.forward_batch import ForwardBatch
-    from workbench.engine.request import Req
-    from workbench.engine.spec_drafters import Draft
-    from workbench.engine.spec_verify import VerifyResult
+    from workbench.engine.run.forward_batch import ForwardBatch
+    from workbench.engine.sched.request import Req
+    from workbench.engine.spec.drafters import Draft
+    from workbench.engine.spec.verify import VerifyResult
 
 
 def emit_draft_forward(engine: Engine, fb: ForwardBatch, seconds: float) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench.engine.memory import TokenToKVPoolAllocator
+from workbench.engine.sched.memory import TokenToKVPoolAllocator
 
 
 @dataclass(slots=True)

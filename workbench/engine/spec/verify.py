@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench.engine.request import Req
-from workbench.engine.sampler import Sampler, SamplingBatchInfo
+from workbench.engine.sample.sampler import Sampler, SamplingBatchInfo
+from workbench.engine.sched.request import Req
 
 AcceptRule = Callable[[float, float, float], bool]  # (p, q, u) -> accept?
 DrawFn = Callable[[torch.Tensor, float], int]  # (unnormalised distribution [V], uniform) -> token id

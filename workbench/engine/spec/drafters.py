@@ -24,16 +24,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workbench.engine.forward_batch import ForwardBatch, ForwardMode, RowSpec, build_forward_batch
-from workbench.engine.memory import Memory
-from workbench.engine.model_runner import ModelRunner
-from workbench.engine.request import Req
-from workbench.engine.sampler import SamplingBatchInfo
-from workbench.engine.spec import SpecConfig
+from workbench.engine.run.forward_batch import ForwardBatch, ForwardMode, RowSpec, build_forward_batch
+from workbench.engine.run.model_runner import ModelRunner
+from workbench.engine.sample.sampler import SamplingBatchInfo
+from workbench.engine.sched.memory import Memory
+from workbench.engine.sched.request import Req
+from workbench.engine.spec.config import SpecConfig
 
 if TYPE_CHECKING:
     from workbench.engine.engine import Engine
-    from workbench.engine.scheduler import ScheduleBatch
+    from workbench.engine.sched.scheduler import ScheduleBatch
 
 
 @dataclass(slots=True)

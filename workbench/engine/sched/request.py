@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from workbench.engine.sampling_params import SamplingParams
+from workbench.engine.sample.sampling_params import SamplingParams
 
 
 class ReqStatus(enum.Enum):

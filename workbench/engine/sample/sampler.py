@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from workbench.engine import grammar as grammar_mod
-from workbench.engine import logprobs as lp_mod
-from workbench.engine.penalties import LogitBias, PenaltyTensors, TokenBan
-from workbench.engine.request import Req
+from workbench.engine.sample import grammar as grammar_mod
+from workbench.engine.sample import logprobs as lp_mod
+from workbench.engine.sample.penalties import LogitBias, PenaltyTensors, TokenBan
+from workbench.engine.sched.request import Req
 
 STAGES = ("penalties", "logit_bias", "grammar", "temperature", "top_k", "top_p", "min_p")
 NEG_INF = float("-inf")

@@ -15,11 +15,11 @@ from typing import NamedTuple
 
 import torch
 
-from workbench.engine.forward_batch import ForwardMode, RowSpec
-from workbench.engine.logprobs import prompt_logprob_rows
-from workbench.engine.memory import Memory
-from workbench.engine.prefix_cache import CacheEntry, PrefixCache, common_prefix_len
-from workbench.engine.request import Req, ReqStatus
+from workbench.engine.run.forward_batch import ForwardMode, RowSpec
+from workbench.engine.sample.logprobs import prompt_logprob_rows
+from workbench.engine.sched.memory import Memory
+from workbench.engine.sched.prefix_cache import CacheEntry, PrefixCache, common_prefix_len
+from workbench.engine.sched.request import Req, ReqStatus
 
 
 @dataclass(slots=True)

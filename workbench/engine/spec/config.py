@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from workbench.engine.engine import Engine
-    from workbench.engine.spec_worker import SpecWorker
+    from workbench.engine.spec.worker import SpecWorker
 
 METHODS = ("ngram", "draft", "early-exit")
 _METHOD_ALIASES = {"ngram": "ngram", "prompt-lookup": "ngram", "draft": "draft", "draft-model": "draft",
@@ -184,8 +184,8 @@ class SpecStats:
 
 def make_spec_worker(spec: str | dict[str, Any] | SpecConfig, engine: Engine) -> SpecWorker:
     """Build the speculative worker for `engine` (called by `Engine.__init__` when `spec` is given)."""
-    from workbench.engine.spec_drafters import make_drafter
-    from workbench.engine.spec_worker import SpecWorker
+    from workbench.engine.spec.drafters import make_drafter
+    from workbench.engine.spec.worker import SpecWorker
 
     cfg = parse_spec(spec)
     return SpecWorker(cfg, engine, make_drafter(cfg, engine))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from workbench.engine import attention, cpu_kernels
-from workbench.engine.forward_batch import ForwardBatch
+from workbench.engine.run import attention, cpu_kernels
+from workbench.engine.run.forward_batch import ForwardBatch
 from workbench.models.loader import LoadedModel
 
 

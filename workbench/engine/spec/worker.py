@@ -19,15 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from workbench.engine import spec_trace, tracing
-from workbench.engine.forward_batch import ForwardBatch, ForwardMode, RowSpec, build_forward_batch
-from workbench.engine.logprobs import token_logprobs
-from workbench.engine.output import StepOutput
-from workbench.engine.request import Req
-from workbench.engine.sampler import SamplingBatchInfo
-from workbench.engine.spec import SpecConfig, SpecStats
-from workbench.engine.spec_drafters import Draft, Drafter, token_rows
-from workbench.engine.spec_verify import (
+from workbench.engine import tracing
+from workbench.engine.output.output import StepOutput
+from workbench.engine.run.forward_batch import ForwardBatch, ForwardMode, RowSpec, build_forward_batch
+from workbench.engine.sample.logprobs import token_logprobs
+from workbench.engine.sample.sampler import SamplingBatchInfo
+from workbench.engine.sched.request import Req
+from workbench.engine.spec import trace as spec_trace
+from workbench.engine.spec.config import SpecConfig, SpecStats
+from workbench.engine.spec.drafters import Draft, Drafter, token_rows
+from workbench.engine.spec.verify import (
     AcceptRule,
     VerifyResult,
     leviathan_accept,
@@ -38,7 +39,7 @@ from workbench.engine.spec_verify import (
 
 if TYPE_CHECKING:
     from workbench.engine.engine import Engine
-    from workbench.engine.scheduler import ScheduleBatch
+    from workbench.engine.sched.scheduler import ScheduleBatch
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench.engine.request import Req
+from workbench.engine.sched.request import Req
 
 
 def _history(req: Req, prefix: Sequence[int]) -> list[int]:

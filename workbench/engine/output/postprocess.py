@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from workbench.engine.detokenizer import DetokUpdate, IncrementalDetokenizer
-from workbench.engine.finish import FinishInputs, FinishResult, decide_finish
-from workbench.engine.grammar import accept_tokens
-from workbench.engine.output import RequestOutput, TokenLogprob
-from workbench.engine.request import Req
-from workbench.engine.tool_parser import StreamingToolParser
+from workbench.engine.output.detokenizer import DetokUpdate, IncrementalDetokenizer
+from workbench.engine.output.finish import FinishInputs, FinishResult, decide_finish
+from workbench.engine.output.output import RequestOutput, TokenLogprob
+from workbench.engine.output.tool_parser import StreamingToolParser
+from workbench.engine.sample.grammar import accept_tokens
+from workbench.engine.sched.request import Req
 
 
 class OutputProcessor:
