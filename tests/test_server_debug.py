@@ -175,7 +175,7 @@ def test_stream_limit_flags_reach_the_engine_loop_and_bad_ones_name_the_flag():
     args = parser.parse_args(["--model", MODEL, "--device", "cpu", "--stream-buffer-bytes", "4096",
                               "--send-timeout", "0", "--prefix-sharing"])
     engine, app = build_server(args)
-    assert engine.prefix_sharing and engine.config["prefix_sharing"] is True
+    assert engine.prefix_sharing and engine.config.prefix_sharing is True
     limits = app.state.workbench.loop.limits
     assert (limits.max_buffer_bytes, limits.send_timeout) == (4096, None)  # 0 means no limit
     engine.close()

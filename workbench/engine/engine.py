@@ -1,11 +1,14 @@
 """The Engine: requests in, the pipeline once per `step()`, outputs out.
 
 `Engine.step()` reads as the pipeline (schedule -> ForwardBatch -> ModelRunner -> logits ->
-Sampler -> output processing -> detokenizer -> finish) and is the one place that emits trace
-events; components return values and know nothing about tracing. Owns: request admission
-(tokenize, validate, refuse what can never fit), the step loop, abort, and the public API
-(`generate`, `stream`, `add_request`, `abort`). Thread-safe entry points (`add_request`, `abort`)
-queue work that the stepping thread picks up at the start of its next step.
+Sampler -> output stage: detokenizer, finish) with one call per stage; each step's state lives in
+the `StepContext` it creates and hands down, and the stages report to the trace observer at its
+named seams. Owns: building the parts and handing each only what it needs (the scheduler its
+prefix cache and speculative headroom, the speculative worker the target's parts and the output
+stage), request admission (tokenize, validate, refuse what can never fit), the step loop, abort,
+the public API (`generate`, `stream`, `add_request`, `abort`) and the facts a server reads
+(`max_context_len`, `kv_used`, ...). Thread-safe entry points (`add_request`, `abort`) queue work
+that the stepping thread picks up at the start of its next step.
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ from typing import Any
 import torch
 
 from workbench.engine import tracing
+from workbench.engine.config import CpuKernels, EngineConfig
+from workbench.engine.output.finish import FinishResult
 from workbench.engine.output.output import RequestOutput, StepOutput
 from workbench.engine.output.postprocess import OutputProcessor
+from workbench.engine.output.stage import NewTokens, OutputStage
 from workbench.engine.prompts import Prompt, as_prompt_list, tokenize_prompt
 from workbench.engine.run import cpu_kernels
 from workbench.engine.run.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
@@ -29,13 +35,17 @@ from workbench.engine.sample.grammar import GrammarBackend
 from workbench.engine.sample.logprobs import store_prompt_logprobs
 from workbench.engine.sample.sampler import Sampler, SamplingBatchInfo
 from workbench.engine.sample.sampling_params import SamplingParams
+from workbench.engine.sched.batch import PrefillChunk, Released, ScheduleBatch
 from workbench.engine.sched.memory import Memory
 from workbench.engine.sched.prefix_cache import PrefixCache
-from workbench.engine.sched.request import Req, ReqStatus
+from workbench.engine.sched.request import Req
 from workbench.engine.sched.scheduler import Scheduler
+from workbench.engine.spec.config import Target
+from workbench.engine.spec.worker import SpecWorker, make_spec_worker
+from workbench.engine.step import StepContext
 from workbench.engine.timing import ReqTiming, StepClock
 from workbench.models.loader import LoadedModel, load_model
-from workbench.trace.recorder import MemorySink, Tracer
+from workbench.trace.recorder import MemorySink, Sink, Tracer
 
 
 class StepFailed(RuntimeError):
@@ -52,7 +62,7 @@ class Engine:
     def __init__(self, model: str | LoadedModel = "smollm2", *, device: str = "auto", dtype: str | None = None,
                  max_batch_tokens: int = 2048, chunk_size: int = 512, kv_tokens: int | None = None,
                  max_running: int = 64, enable_mixed: bool = True, trace: str | None = None,
-                 trace_level: str = "summary", trace_topk: int = 10, trace_sinks: list | None = None,
+                 trace_level: str = "summary", trace_topk: int = 10, trace_sinks: list[Sink] | None = None,
                  spec: Any = None, seed: int = 0, prefix_sharing: bool = True, prefix_cache: bool = False) -> None:
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
         self.tokenizer = self.loaded.tokenizer
@@ -70,38 +80,77 @@ class Engine:
         self.memory = Memory(num_layers=self.runner.num_layers, kv_heads=self.runner.kv_heads,
                              head_dim=self.runner.head_dim, kv_tokens=kv_tokens, max_running=max_running,
                              max_context_len=max_ctx, dtype=self.runner.dtype, device=self.device)
-        self.scheduler = Scheduler(self.memory, max_batch_tokens=max_batch_tokens, chunk_size=chunk_size,
-                                   max_context_len=max_ctx, enable_mixed=enable_mixed)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer, max_ctx)
         self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.outputs.eos_token_ids)
-        self.config = {"model": self.loaded.spec, "device": self.device, "dtype": self.loaded.dtype,
-                       "max_batch_tokens": max_batch_tokens, "chunk_size": chunk_size, "kv_tokens": kv_tokens,
-                       "max_running": max_running, "enable_mixed": enable_mixed, "trace_topk": trace_topk,
-                       "seed": seed, "prefix_sharing": prefix_sharing, "prefix_cache": prefix_cache, "spec": spec if isinstance(spec, (str, dict, type(None))) else getattr(spec, "to_dict", spec.__str__)()}
-        # which native paths ran, so a trace says it (a replay elsewhere may take the torch paths)
         cpu_fp32 = self.device == "cpu" and self.runner.dtype == torch.float32
-        self.config["cpu_kernels"] = {"decode_attention": cpu_fp32 and cpu_kernels.available(),
-                                      "packed_linear_bytes": self.runner.packed_bytes}
+        self.config = EngineConfig(
+            model=self.loaded.spec, device=self.device, dtype=self.loaded.dtype, max_batch_tokens=max_batch_tokens,
+            chunk_size=chunk_size, kv_tokens=kv_tokens, max_running=max_running, enable_mixed=enable_mixed,
+            trace_topk=trace_topk, seed=seed, prefix_sharing=prefix_sharing, prefix_cache=prefix_cache,
+            spec=spec if isinstance(spec, (str, dict, type(None))) else getattr(spec, "to_dict", spec.__str__)(),
+            cpu_kernels=CpuKernels(cpu_fp32 and cpu_kernels.available(), self.runner.packed_bytes))
         self.trace_topk = trace_topk
         self.prefix_sharing = prefix_sharing
-        self.tracer = tracing.make_tracer(trace, trace_level, trace_sinks, self)
-        self.spec = None
+        self.tracer = self._make_tracer(trace, trace_level, trace_sinks)
+        self.observer = tracing.TraceObserver(self.tracer, self.memory.allocator, self.outputs.token_text, trace_topk)
+        self.output_stage = OutputStage(self.outputs, self._release)
+        self.finished: dict[str, RequestOutput] = self.output_stage.finished
+        self.spec: SpecWorker | None = None
         if spec is not None:
-            from workbench.engine.spec.config import make_spec_worker
-
-            self.spec = make_spec_worker(spec, self)
-            self.scheduler.spec_headroom = self.spec.cfg.num_speculative_tokens
-        if prefix_cache:
-            self.scheduler.prefix_cache = PrefixCache(self.memory.allocator)
-        self.step_no = 0
-        self.clock = StepClock()
+            target = Target(self.runner, self.memory, self.sampler, self.tokenizer, self.device, self.loaded.dtype,
+                            self.vocab_size, self.outputs.eos_token_ids)
+            self.spec = make_spec_worker(spec, target, self.output_stage)
+        self.scheduler = Scheduler(self.memory, max_batch_tokens=max_batch_tokens, chunk_size=chunk_size,
+                                   max_context_len=max_ctx, enable_mixed=enable_mixed,
+                                   prefix_cache=PrefixCache(self.memory.allocator) if prefix_cache else None,
+                                   spec_headroom=self.spec.cfg.num_speculative_tokens if self.spec else 0)
+        self._last = StepContext(0, self.observer)  # the last step's record (step 0: none ran yet)
         self.reqs: dict[str, Req] = {}
-        self.finished: dict[str, RequestOutput] = {}
         self._inbox: queue.SimpleQueue[Req] = queue.SimpleQueue()
         self._aborts: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self._ids = itertools.count()
         torch.manual_seed(seed)
+
+    def _make_tracer(self, path: str | None, level: str, sinks: list[Sink] | None) -> Tracer:
+        """The tracer over the given sinks, plus a trace file at `path`, with the run's metadata."""
+        all_sinks = list(sinks or [])
+        if path is not None and level != "off":
+            from workbench.trace.store import TraceWriter
+
+            all_sinks.append(TraceWriter(path))
+        return tracing.make_tracer(level, all_sinks, lambda: tracing.run_meta(
+            self.config.to_dict(), self.loaded.identity(), self.tokenizer, level))
+
+    # --- facts a server reads ----------------------------------------------------------------
+
+    @property
+    def step_no(self) -> int:
+        """The number of the last step that ran (0 before the first)."""
+        return self._last.step
+
+    @property
+    def clock(self) -> StepClock:
+        """The stage clock of the last step."""
+        return self._last.clock
+
+    def max_context_len(self) -> int:
+        return self.runner.max_context_len
+
+    def kv_total(self) -> int:
+        return self.memory.allocator.size
+
+    def kv_used(self) -> int:
+        return self.memory.allocator.used()
+
+    def running_ids(self) -> list[str]:
+        return [r.req_id for r in self.scheduler.running]
+
+    def waiting_ids(self) -> list[str]:
+        return [r.req_id for r in self.scheduler.waiting]
+
+    def token_text(self, token_id: int) -> str:
+        return self.outputs.token_text(token_id)
 
     # --- admission ---------------------------------------------------------------------------
 
@@ -160,81 +209,90 @@ class Engine:
         results = self._drain_inbox()
         if not self.scheduler.has_work():
             return results
-        self.step_no += 1
-        self.clock = clock = StepClock()
+        ctx = self._last = StepContext(self._last.step + 1, self.observer)
+        batch = self._schedule(ctx)
+        if batch.mode is ForwardMode.IDLE:
+            return results
+        try:
+            if self.spec is not None and batch.mode is ForwardMode.DECODE:
+                return results + self.spec.step(ctx, batch)  # draft, verify, output stage
+            fb = self._build_batch(ctx, batch)
+            logits = self._forward(ctx, batch, fb)
+            new = self._sample(ctx, batch, fb, logits)
+            done = [c.req for c in batch.prefill if c.last_chunk]
+            return results + self.output_stage.process(ctx, new) + self.output_stage.finish_scored(ctx, done)
+        except Exception as exc:
+            raise self._fail_step(ctx, batch, exc) from exc
+
+    def _schedule(self, ctx: StepContext) -> ScheduleBatch:
         batch = self.scheduler.schedule()
-        clock.scheduled = time.perf_counter()
+        ctx.clock.scheduled = time.perf_counter()
         if self.spec is not None:
             for req in batch.preempted:
                 self.spec.release(req)
-        if self.tracer.on:
-            tracing.emit_schedule_kv(self, batch)
-            self.tracer.emit(tracing.schedule_event(self, batch))
-        if batch.mode is ForwardMode.IDLE:
-            return results
-        # the step's ForwardBatch and whether its KV slots already count in the requests' kv_len:
-        # what a failure has to free (set by _run_batch or the speculative worker)
-        self._step_fb, self._step_kv_counted = None, False
-        try:
-            if self.spec is not None and batch.mode is ForwardMode.DECODE:
-                return results + self.spec.step(batch)
-            return results + self._run_batch(batch, clock)
-        except Exception as exc:
-            raise self._fail_step(batch, exc) from exc
+        ctx.obs.scheduled(ctx, batch, self.scheduler)
+        return batch
 
-    def _run_batch(self, batch, clock: StepClock) -> list[StepOutput]:
-        """Forward, sample and process one scheduled batch (not speculative)."""
-        t0 = time.perf_counter()
-        fb = self._step_fb = build_forward_batch(batch.mode, batch.rows(), self.memory, self.device)
-        sample_reqs = [batch.reqs[i] for i in fb.logits_owner]
-        fb.sampling_info = SamplingBatchInfo.build(sample_reqs, self.vocab_size, self.device,
-                                                   eos_token_ids=self.outputs.eos_token_ids)
-        if self.tracer.on:
-            self.tracer.emit(tracing.forward_batch_event(self, fb))
+    def _build_batch(self, ctx: StepContext, batch: ScheduleBatch) -> ForwardBatch:
+        """ScheduleBatch -> ForwardBatch with the sampling info of its sampled rows."""
+        ctx.forward_start = time.perf_counter()
+        fb = ctx.fb = build_forward_batch(batch.mode, batch.rows(), self.memory, self.device)
+        reqs = batch.reqs
+        fb.sampling_info = SamplingBatchInfo.build([reqs[i] for i in fb.logits_owner], self.vocab_size,
+                                                   self.device, eos_token_ids=self.outputs.eos_token_ids)
+        ctx.obs.batch_built(ctx, fb)
+        return fb
+
+    def _forward(self, ctx: StepContext, batch: ScheduleBatch, fb: ForwardBatch) -> torch.Tensor:
+        """Run the model; the step's KV counts from here. Returns the logits of the sampled rows."""
         logits = self.runner.forward(fb)  # [num_sampled + num_prompt_logprob_rows, vocab]
-        t1 = clock.forward_end = time.perf_counter()
+        ctx.clock.forward_end = time.perf_counter()
         for chunk in batch.prefill:
             chunk.req.kv_len += chunk.length
         for req in batch.decode:
             req.kv_len += 1
-        self._step_kv_counted = True
+        ctx.kv_counted = True
         if self.spec is not None:
-            self.spec.on_extend(batch)  # a draft model prefills the same chunks
-        logits = self._after_prefill(batch.prefill, fb, logits)  # [num_sampled, vocab]
+            self.spec.on_extend(ctx, batch)  # a draft model prefills the same chunks
+        logits = self._after_prefill(ctx, batch.prefill, fb, logits)  # [num_sampled, vocab]
         for chunk in batch.prefill:
             if not chunk.last_chunk:
-                chunk.req.timing.account_chunk(clock)
-        if not sample_reqs:  # only mid-prompt chunks ran: nothing to sample this step
-            if self.tracer.on:
-                self.tracer.emit(tracing.forward_done_event(self, fb, t1 - t0, 0.0))
-            return self._finish_scored(batch.prefill)
-        sample = self.sampler(logits, fb.sampling_info, self.trace_topk if self.tracer.on else 0)
-        t2 = clock.sampled = time.perf_counter()
-        if self.tracer.on:
-            self.tracer.emit(tracing.forward_done_event(self, fb, t1 - t0, t2 - t1))
-            tracing.emit_sampling(self, sample_reqs, logits, sample)
-        new_tokens = {req.req_id: [tok] for req, tok in zip(sample_reqs, sample.next_token_ids, strict=True)}
-        self.outputs.append_tokens(sample_reqs, sample, self.step_no)
-        return self._process_outputs(sample_reqs, new_tokens) + self._finish_scored(batch.prefill)
+                chunk.req.timing.account_chunk(ctx.clock)
+        return logits
 
-    def _fail_step(self, batch, exc: Exception) -> StepFailed:
+    def _sample(self, ctx: StepContext, batch: ScheduleBatch, fb: ForwardBatch, logits: torch.Tensor
+                ) -> list[NewTokens]:
+        """Sample the step's tokens and append them: from here on they are final."""
+        clock, forward_s = ctx.clock, ctx.clock.forward_end - ctx.forward_start
+        if not fb.logits_owner:  # only mid-prompt chunks ran: nothing to sample this step
+            ctx.obs.forward_done(ctx, fb, forward_s, 0.0)
+            return []
+        reqs = batch.reqs
+        sample_reqs = [reqs[i] for i in fb.logits_owner]
+        sample = self.sampler(logits, fb.sampling_info, ctx.obs.topk)
+        clock.sampled = time.perf_counter()
+        ctx.obs.forward_done(ctx, fb, forward_s, clock.sampled - clock.forward_end)
+        ctx.obs.sampled(ctx, sample_reqs, logits, sample)
+        self.output_stage.append(ctx, sample_reqs, sample)
+        return [NewTokens(req, [tok]) for req, tok in zip(sample_reqs, sample.next_token_ids, strict=True)]
+
+    def _fail_step(self, ctx: StepContext, batch: ScheduleBatch, exc: Exception) -> StepFailed:
         """End every request of a failed step with an error and free all of its KV, including the
         slots this step allocated but never filled; the engine goes on with the other requests."""
-        fb = self._step_fb
-        if fb is not None and not self._step_kv_counted:
-            self.memory.allocator.free(fb.out_cache_loc)  # not yet part of any request's kv_len
-        message = f"the engine failed in step {self.step_no} ({type(exc).__name__})"
+        if ctx.fb is not None and not ctx.kv_counted:
+            self.memory.allocator.free(ctx.fb.out_cache_loc)  # not yet part of any request's kv_len
+        message = f"the engine failed in step {ctx.step} ({type(exc).__name__})"
         affected = []
         for req in dict.fromkeys(batch.reqs):
             if not req.finished:
                 req.error = message
-                self._finish(req, "abort", {"type": "error", "message": message}, None)
+                self.output_stage.finish(ctx, req, FinishResult("abort", {"type": "error", "message": message}))
                 affected.append(req.req_id)
-        if self.tracer.on:
-            self.tracer.emit(tracing.error_event(self, message, affected))
+        ctx.obs.error(ctx, message, affected)
         return StepFailed(message, affected)
 
-    def _after_prefill(self, prefill: list, fb: ForwardBatch, logits: torch.Tensor) -> torch.Tensor:
+    def _after_prefill(self, ctx: StepContext, prefill: list[PrefillChunk], fb: ForwardBatch,
+                       logits: torch.Tensor) -> torch.Tensor:
         """Store prompt logprobs from the extra logits rows; let n > 1 siblings copy a finished prompt's
         KV. Returns the sampling rows of `logits`."""
         num_sampled = len(fb.logits_owner)
@@ -251,88 +309,35 @@ class Engine:
                 if sibling:
                     sib.prompt_logprobs, sib.prompt_ranks = list(src.prompt_logprobs), list(src.prompt_ranks)
                     sib.prompt_top_logprobs = list(src.prompt_top_logprobs)
-                if self.tracer.on:
-                    what = "prompt" if sibling else f"first {len(slots)} prompt tokens'"
-                    self.tracer.emit(tracing.kv_event(self, sib.req_id, "alloc", slots.tolist(),
-                                                      f"copy of {src.req_id}'s {what} KV"))
+                what = "prompt" if sibling else f"first {len(slots)} prompt tokens'"
+                ctx.obs.kv(ctx, sib.req_id, "alloc", slots.tolist(), f"copy of {src.req_id}'s {what} KV")
         return logits[:num_sampled]
 
-    def _finish_scored(self, prefill: list) -> list[StepOutput]:
-        """Requests with max_new_tokens=0 (prompt scoring) finish when their prefill completes."""
-        results = []
-        for chunk in prefill:
-            req = chunk.req
-            if chunk.last_chunk and req.params.max_new_tokens == 0 and not req.finished:
-                out, tail = self._finish(req, "length", {"type": "length", "length": 0, "cause": "max_new_tokens"},
-                                         None)
-                results.append(StepOutput(req.req_id, [], tail, True, out))
-        return results
-
-    def _process_outputs(self, reqs: list[Req], new_tokens: dict[str, list[int]]) -> list[StepOutput]:
-        """Detokenize, decide finish, release finished requests: the tail of the pipeline.
-
-        The new tokens are already appended to each request's output; they go through the checks one
-        at a time, and a finish on one of them drops the ones after it (speculative runs).
-        """
-        results = []
-        for req in reqs:
-            new = new_tokens[req.req_id]
-            first = len(req.output_ids) - len(new) + 1
-            delta, kept, final = [], [], None
-            for n in range(first, len(req.output_ids) + 1):
-                detok, decision = self.outputs.process_token(req, n)
-                kept.append(req.output_ids[n - 1])
-                delta.append(detok.delta)
-                if self.tracer.on:
-                    tracing.emit_output_events(self, req, [req.output_ids[n - 1]], detok, decision)
-                if decision.finish_reason is not None:
-                    self.outputs.truncate(req, n)
-                    final = decision
-                    break
-            stamps = req.timing.account_step(self.clock, time.perf_counter())
-            if self.tracer.on:
-                self.tracer.emit(tracing.stamp_event(self, req.req_id, "step", stamps))
-            out, tail = None, ""
-            if final is not None:
-                out, tail = self._finish(req, final.finish_reason, final.evidence, final.matched_stop)
-            results.append(StepOutput(req.req_id, kept, "".join(delta) + tail, out is not None, out))
-        return results
-
-    def _finish(self, req: Req, reason: str, evidence: dict | None, matched_stop: Any) -> tuple[RequestOutput, str]:
-        req.finish_reason, req.evidence, req.matched_stop = reason, evidence, matched_stop
-        req.status = ReqStatus.FINISHED
+    def _release(self, req: Req, reason: str) -> Released:
+        """A request ended: its KV goes (kept by the prefix cache after stop or length), so does the
+        drafter's state for it."""
         released = self.scheduler.remove(req, cache=reason in ("stop", "length"))
-        if self.tracer.on:
-            tracing.emit_release_kv(self, req.req_id, released, reason)
         if self.spec is not None:
             self.spec.release(req)
-        out, tail = self.outputs.make_output(req)
-        self.finished[req.req_id] = out
-        if self.tracer.on:
-            self.tracer.emit(tracing.finished_event(self, req, out))
-        return out, tail
+        return released
 
     def flush_prefix_cache(self) -> int:
         """Free every cached prefix (prefix_cache=True); returns the KV slots freed. Call from the
         stepping thread, between steps."""
         cache = self.scheduler.prefix_cache
         evicted = cache.clear() if cache is not None else []
-        if self.tracer.on:
-            tracing.emit_evicted(self, evicted, "flush")
+        self.observer.evicted(self._last, evicted, "flush")
         return sum(len(e.tokens) for e in evicted)
 
     def _drain_inbox(self) -> list[StepOutput]:
+        ctx = self._last  # between steps: events carry the last step's number, arrivals the next one's
         while not self._inbox.empty():
             req = self._inbox.get()
-            req.arrival_step = self.step_no + 1
+            req.arrival_step = ctx.step + 1
             if self.prefix_sharing and req.share_prefix_from is None:
                 self.scheduler.share_prompt_prefix(req)
             self.scheduler.add(req)
-            if self.tracer.on:
-                self.tracer.emit(tracing.request_added_event(self, req))
-                # the step the request arrives in, like request.added (the engine has not counted it yet)
-                for stage, t in (("arrival", req.timing.arrival), ("tokenized", req.timing.tokenized)):
-                    self.tracer.emit(tracing.stamp_event(self, req.req_id, stage, {}, t, step=req.arrival_step))
+            ctx.obs.request_added(req, req.arrival_step)
         results = []
         while not self._aborts.empty():
             rid, reason = self._aborts.get()
@@ -340,8 +345,8 @@ class Engine:
             if req is None or req.finished:
                 continue  # unknown or already finished: abort is idempotent
             req.abort_reason = reason
-            out, tail = self._finish(req, "abort", {"type": "abort", "message": reason}, None)
-            results.append(StepOutput(rid, [], tail, True, out))
+            results.append(self.output_stage.finish(ctx, req, FinishResult("abort", {"type": "abort",
+                                                                                     "message": reason})).step_output())
         return results
 
     # --- convenience API ---------------------------------------------------------------------

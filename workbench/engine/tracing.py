@@ -1,9 +1,14 @@
-"""Builders that turn engine objects into trace events; called only from `Engine.step()` and its
-helpers, and only when `tracer.on` (so level `off` never reaches this module).
+"""The trace observer: the pipeline's named seams, turned into trace events.
+
+`Engine.step()` and its stages call `TraceObserver` at a few seams (request added, scheduled,
+batch built, forward done, sampled, output processed, KV changed, finished, error); each seam is a
+no-op while the tracer is off, so the pipeline itself never asks whether it is traced. The
+speculative step's own seams live in spec/trace.py and report through the same observer.
 
 Owns: the mapping from Req / ScheduleBatch / ForwardBatch / SamplerOutput / DetokUpdate /
-FinishResult to the typed records of `workbench.trace.events`, and creating the tracer with its
-sinks and run metadata. Does not own: the event schema (trace/events.py) or storage (trace/store.py).
+FinishResult to the typed records of `workbench.trace.events`, and the run metadata of a trace.
+Does not own: the event schema (trace/events.py), storage or the choice of sinks (the caller
+builds the `Tracer` with its sinks).
 """
 
 from __future__ import annotations
@@ -11,45 +16,48 @@ from __future__ import annotations
 import math
 import platform
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from workbench.trace import events as ev
-from workbench.trace.recorder import MemorySink, Tracer
+from workbench.trace.recorder import MemorySink, Sink, Tracer
 
 if TYPE_CHECKING:
-    from workbench.engine.engine import Engine
+    from workbench.engine.output.output import RequestOutput
     from workbench.engine.run.forward_batch import ForwardBatch
+    from workbench.engine.sample.sampler import SamplerOutput, SamplingBatchInfo
+    from workbench.engine.sched.batch import Released, ScheduleBatch
+    from workbench.engine.sched.memory import TokenToKVPoolAllocator
+    from workbench.engine.sched.prefix_cache import CacheEntry
     from workbench.engine.sched.request import Req
-    from workbench.engine.sched.scheduler import ScheduleBatch
+    from workbench.engine.sched.scheduler import Scheduler
+    from workbench.engine.step import StepContext
 
 
-def make_tracer(path: str | None, level: str, sinks: list | None, engine: Engine) -> Tracer:
-    """A tracer writing to `path` (a .wbtrace file) and/or the given sinks; an in-memory sink when
-    tracing is on without a file, so notebooks and tests can read what happened."""
+def make_tracer(level: str, sinks: list[Sink], meta: Callable[[], dict[str, Any]]) -> Tracer:
+    """A tracer at `level` writing to `sinks` (an in-memory sink when tracing is on without one, so
+    notebooks and tests can read what happened), holding the run's `meta()` when it is on."""
     ev.level_value(level)
-    all_sinks = list(sinks or [])
-    if path is not None and level != "off":
-        from workbench.trace.store import TraceWriter
-
-        all_sinks.append(TraceWriter(path))
-    elif level != "off" and not all_sinks:
+    all_sinks = list(sinks)
+    if level != "off" and not all_sinks:
         all_sinks.append(MemorySink())
     tracer = Tracer(level if all_sinks else "off", all_sinks)
     if tracer.on:
-        for key, value in run_meta(engine, level).items():
+        for key, value in meta().items():
             tracer.set_meta(key, value)
     return tracer
 
 
-def run_meta(engine: Engine, level: str) -> dict[str, Any]:
+def run_meta(config: dict[str, Any], model: dict[str, Any], tok: Any, level: str) -> dict[str, Any]:
+    """The trace's run metadata: engine config (`EngineConfig.to_dict()`), model identity, tokenizer,
+    versions."""
     import transformers
 
-    tok = engine.tokenizer
     return {
-        "engine": engine.config,
-        "model": engine.loaded.identity(),
+        "engine": config,
+        "model": model,
         "tokenizer": {"name": getattr(tok, "name_or_path", ""), "vocab_size": len(tok),
                       "eos_token_id": tok.eos_token_id, "class": type(tok).__name__},
         "versions": {"workbench": "0.1.0", "torch": torch.__version__, "transformers": transformers.__version__,
@@ -63,143 +71,185 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def request_added_event(engine: Engine, req: Req) -> ev.RequestAdded:
-    return ev.RequestAdded(step=engine.step_no + 1, req_id=req.req_id, t=req.arrival_time, prompt=req.prompt,
-                           prompt_ids=list(req.prompt_ids), params=req.params.to_dict(), parent_id=req.parent_id)
-
-
-def schedule_event(engine: Engine, batch: ScheduleBatch) -> ev.ScheduleDecision:
-    alloc = engine.memory.allocator
-    return ev.ScheduleDecision(
-        step=engine.step_no, t=_now(), mode=batch.mode.value,
-        waiting=[r.req_id for r in engine.scheduler.waiting], running=[r.req_id for r in engine.scheduler.running],
-        prefill=[{"req_id": c.req.req_id, "start": c.start, "length": c.length, "last_chunk": c.last_chunk}
-                 for c in batch.prefill],
-        decode=[r.req_id for r in batch.decode], preempted=[r.req_id for r in batch.preempted],
-        token_budget=batch.token_budget, tokens_scheduled=batch.tokens_scheduled,
-        kv_used=alloc.used(), kv_total=alloc.size)
-
-
-def forward_batch_event(engine: Engine, fb: ForwardBatch, model: str = "target") -> ev.ForwardBatchBuilt:
-    info = fb.sampling_info
-    return ev.ForwardBatchBuilt(
-        step=engine.step_no, t=_now(), forward_mode=fb.forward_mode.value, batch_size=fb.batch_size,
-        input_ids=fb.input_ids.tolist(), req_pool_indices=fb.req_pool_indices.tolist(),
-        seq_lens=fb.seq_lens.tolist(), out_cache_loc=fb.out_cache_loc.tolist(), positions=fb.positions.tolist(),
-        extend_prefix_lens=fb.extend_prefix_lens.tolist(), extend_seq_lens=fb.extend_seq_lens.tolist(),
-        return_logprob=fb.return_logprob, top_logprobs_nums=list(fb.top_logprobs_nums), req_ids=list(fb.req_ids),
-        sampling_info=info.summary() if info is not None else [], model=model)
-
-
-def forward_done_event(engine: Engine, fb: ForwardBatch, forward_s: float, sample_s: float,
-                       model: str = "target") -> ev.ForwardDone:
-    return ev.ForwardDone(step=engine.step_no, t=_now(), forward_mode=fb.forward_mode.value,
-                          num_tokens=fb.num_tokens, batch_size=fb.batch_size, forward_ms=forward_s * 1e3,
-                          sample_ms=sample_s * 1e3, model=model)
-
-
-def emit_sampling(engine: Engine, reqs: list[Req], logits: torch.Tensor, sample: Any) -> None:
-    """Logits summary, sampling stages and the chosen token of every sampled row."""
-    k = engine.trace_topk
-    step, t = engine.step_no, _now()
-    lp = sample.raw_logprobs
-    # One device-to-host transfer per quantity for the whole batch (a per-row .tolist() syncs a GPU each time).
-    # softmax and log-softmax keep the order of the logits: one top-k serves every list
-    if sample.stages is not None:
-        top_ids = torch.tensor([row[0]["top_ids"] for row in sample.stages], dtype=torch.int64, device=logits.device)
-        top_vals = logits.gather(1, top_ids)
-    else:
-        top_vals, top_ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
-    lp_vals = lp.gather(1, top_ids)
-    top_vals, top_ids, lp_vals = (x.cpu().tolist() for x in (top_vals, top_ids, lp_vals))
-    lp_ids = top_ids
-    if sample.stages is not None:  # the sampler's first record is the model's own distribution
-        entropy = [row[0]["entropy"] for row in sample.stages]
-    else:
-        probs = lp.exp()
-        entropy = (-torch.special.xlogy(probs, probs).sum(-1)).cpu().tolist()
-    full = logits.float().cpu().numpy() if engine.tracer.full else None
-    for i, req in enumerate(reqs):
-        position = len(req.output_ids)  # the token these logits choose (appended after this call)
-        tensor_name = None
-        if full is not None:
-            tensor_name = f"logits/{step}/{req.req_id}/{position}"
-            engine.tracer.tensor(tensor_name, step, req.req_id, full[i])
-        engine.tracer.emit(ev.Logits(step=step, req_id=req.req_id, t=t, position=position, top_ids=top_ids[i],
-                                     top_logits=top_vals[i], entropy=entropy[i], tensor=tensor_name))
-        if sample.stages is not None:
-            engine.tracer.emit(ev.SamplingStages(
-                step=step, req_id=req.req_id, t=t, position=position, stages=sample.stages[i],
-                chosen=sample.next_token_ids[i], greedy=req.params.temperature == 0, draw=sample.draws[i],
-                seeded=req.generator is not None))
-        tok = sample.next_token_ids[i]
-        tops = [[tid, v, engine.outputs.token_text(tid)] for tid, v in zip(lp_ids[i], lp_vals[i])]
-        engine.tracer.emit(ev.TokenChosen(
-            step=step, req_id=req.req_id, t=t, position=position, token_id=tok, text=engine.outputs.token_text(tok),
-            logprob=_finite(sample.logprobs[i]), rank=sample.ranks[i], top_logprobs=tops))
-
-
-def emit_output_events(engine: Engine, req: Req, new_ids: list[int], detok: Any, decision: Any) -> None:
-    step, t = engine.step_no, _now()
-    engine.tracer.emit(ev.DetokState(
-        step=step, req_id=req.req_id, t=t, new_ids=list(new_ids), prefix_offset=detok.prefix_offset,
-        read_offset=detok.read_offset, decoded_len=detok.decoded_len, held_text=detok.held_text,
-        held_reason=detok.held_reason, delta=detok.delta, stop_matched=detok.stop_matched))
-    engine.tracer.emit(ev.FinishDecision(step=step, req_id=req.req_id, t=t, checks=list(decision.checks),
-                                         finish_reason=decision.finish_reason, evidence=decision.evidence))
-
-
-def finished_event(engine: Engine, req: Req, out: Any) -> ev.RequestFinished:
-    return ev.RequestFinished(
-        step=engine.step_no, req_id=req.req_id, t=_now(), text=out.text, output_ids=list(out.token_ids),
-        finish_reason=out.finish_reason, matched_stop=out.matched_stop, evidence=out.evidence, usage=out.usage,
-        timings=out.timings, spec=out.spec, error=out.error)
-
-
-def kv_event(engine: Engine, req_id: str | None, op: str, slots: list[int], reason: str) -> ev.KVEvent:
-    """A KV operation, emitted after it happened: `kv_used` is the pool's occupancy afterwards."""
-    alloc = engine.memory.allocator
-    return ev.KVEvent(step=engine.step_no, req_id=req_id, t=_now(), op=op, slots=slots, reason=reason,
-                      kv_used=alloc.used(), kv_total=alloc.size)
-
-
-def emit_schedule_kv(engine: Engine, batch: Any) -> None:
-    """The KV changes `schedule()` made: cached prefixes evicted to make room, preempted requests'
-    slots freed, and cached prefixes copied into admitted requests."""
-    emit_evicted(engine, batch.evicted, "make room")
-    for req in batch.preempted:
-        slots = engine.scheduler.preempted_slots.get(req.req_id)
-        if slots is not None and slots.numel():
-            engine.tracer.emit(kv_event(engine, req.req_id, "free", slots.tolist(), "preempt"))
-    for req, slots, source in batch.cache_hits:
-        engine.tracer.emit(kv_event(engine, req.req_id, "alloc", slots.tolist(),
-                                    f"copy of {source}'s cached KV ({slots.numel()} tokens)"))
-
-
-def emit_release_kv(engine: Engine, req_id: str, released: Any, reason: str) -> None:
-    """A finished or aborted request's KV (a scheduler `Released`): freed, or kept by the prefix cache,
-    and the cache entries that keeping it superseded."""
-    if released.slots.numel():
-        engine.tracer.emit(kv_event(engine, req_id, "cache" if released.kept else "free", released.slots.tolist(),
-                                    f"{reason}: kept by the prefix cache" if released.kept else reason))
-    emit_evicted(engine, released.dropped, f"superseded by {req_id}")
-
-
-def emit_evicted(engine: Engine, entries: list, why: str) -> None:
-    for entry in entries:
-        engine.tracer.emit(kv_event(engine, None, "evict", entry.slots.tolist(),
-                                    f"prefix cache: {entry.source}'s {len(entry.tokens)} tokens ({why})"))
-
-
-def stamp_event(engine: Engine, req_id: str, stage: str, detail: dict[str, Any], t: float | None = None,
-                step: int | None = None) -> ev.Stamp:
-    return ev.Stamp(step=engine.step_no if step is None else step, req_id=req_id, t=t if t is not None else _now(),
-                    stage=stage, detail=detail)
-
-
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def error_event(engine: Engine, message: str, affected: list[str]) -> ev.EngineError:
-    return ev.EngineError(step=engine.step_no, t=_now(), message=message, affected=affected)
+class TraceObserver:
+    """Called by the pipeline at its seams; emits nothing while `tracer.on` is False."""
+
+    def __init__(self, tracer: Tracer, allocator: TokenToKVPoolAllocator, token_text: Callable[[int], str],
+                 topk: int) -> None:
+        self.tracer = tracer
+        self.allocator = allocator
+        self.token_text = token_text
+        self.trace_topk = topk
+
+    @property
+    def on(self) -> bool:
+        return self.tracer.on
+
+    @property
+    def topk(self) -> int:
+        """Top-k alternatives the sampler must compute for the trace (0 while untraced)."""
+        return self.trace_topk if self.tracer.on else 0
+
+    def emit(self, event: ev.Event) -> None:
+        self.tracer.emit(event)
+
+    # --- admission -----------------------------------------------------------------------
+
+    def request_added(self, req: Req, step: int) -> None:
+        """`req` enters the scheduler; `step` is the step it arrives in (not yet counted)."""
+        if not self.tracer.on:
+            return
+        self.emit(ev.RequestAdded(step=step, req_id=req.req_id, t=req.arrival_time, prompt=req.prompt,
+                                  prompt_ids=list(req.prompt_ids), params=req.params.to_dict(),
+                                  parent_id=req.parent_id))
+        for stage, t in (("arrival", req.timing.arrival), ("tokenized", req.timing.tokenized)):
+            self.emit(ev.Stamp(step=step, req_id=req.req_id, t=t, stage=stage, detail={}))
+
+    # --- the step's seams ----------------------------------------------------------------
+
+    def scheduled(self, ctx: StepContext, batch: ScheduleBatch, scheduler: Scheduler) -> None:
+        """The KV changes `schedule()` made (evictions, preemptions, cache-hit copies), then the decision."""
+        if not self.tracer.on:
+            return
+        self.evicted(ctx, batch.evicted, "make room")
+        freed = {p.req.req_id: p.slots for p in batch.preempted_kv}
+        for req in batch.preempted:
+            slots = freed.get(req.req_id)
+            if slots is not None and slots.numel():
+                self.kv(ctx, req.req_id, "free", slots.tolist(), "preempt")
+        for hit in batch.cache_hits:
+            self.kv(ctx, hit.req.req_id, "alloc", hit.slots.tolist(),
+                    f"copy of {hit.source}'s cached KV ({hit.slots.numel()} tokens)")
+        alloc = self.allocator
+        self.emit(ev.ScheduleDecision(
+            step=ctx.step, t=_now(), mode=batch.mode.value,
+            waiting=[r.req_id for r in scheduler.waiting], running=[r.req_id for r in scheduler.running],
+            prefill=[{"req_id": c.req.req_id, "start": c.start, "length": c.length, "last_chunk": c.last_chunk}
+                     for c in batch.prefill],
+            decode=[r.req_id for r in batch.decode], preempted=[r.req_id for r in batch.preempted],
+            token_budget=batch.token_budget, tokens_scheduled=batch.tokens_scheduled,
+            kv_used=alloc.used(), kv_total=alloc.size))
+
+    def batch_built(self, ctx: StepContext, fb: ForwardBatch, model: str = "target",
+                    sampling: Callable[[], SamplingBatchInfo] | None = None) -> None:
+        """A ForwardBatch is ready to run. `sampling` builds the per-row sampling summary of a batch
+        that does not sample through the Sampler (speculative verification), only when traced."""
+        if not self.tracer.on:
+            return
+        if sampling is not None:
+            fb.sampling_info = sampling()
+        info = fb.sampling_info
+        self.emit(ev.ForwardBatchBuilt(
+            step=ctx.step, t=_now(), forward_mode=fb.forward_mode.value, batch_size=fb.batch_size,
+            input_ids=fb.input_ids.tolist(), req_pool_indices=fb.req_pool_indices.tolist(),
+            seq_lens=fb.seq_lens.tolist(), out_cache_loc=fb.out_cache_loc.tolist(), positions=fb.positions.tolist(),
+            extend_prefix_lens=fb.extend_prefix_lens.tolist(), extend_seq_lens=fb.extend_seq_lens.tolist(),
+            return_logprob=fb.return_logprob, top_logprobs_nums=list(fb.top_logprobs_nums), req_ids=list(fb.req_ids),
+            sampling_info=info.summary() if info is not None else [], model=model))
+
+    def forward_done(self, ctx: StepContext, fb: ForwardBatch, forward_s: float, sample_s: float,
+                     model: str = "target") -> None:
+        if not self.tracer.on:
+            return
+        self.emit(ev.ForwardDone(step=ctx.step, t=_now(), forward_mode=fb.forward_mode.value,
+                                 num_tokens=fb.num_tokens, batch_size=fb.batch_size, forward_ms=forward_s * 1e3,
+                                 sample_ms=sample_s * 1e3, model=model))
+
+    def sampled(self, ctx: StepContext, reqs: list[Req], logits: torch.Tensor, sample: SamplerOutput) -> None:
+        """Logits summary, sampling stages and the chosen token of every sampled row (before the
+        tokens are appended)."""
+        if not self.tracer.on:
+            return
+        k = self.trace_topk
+        step, t = ctx.step, _now()
+        lp = sample.raw_logprobs
+        # One device-to-host transfer per quantity for the whole batch (a per-row .tolist() syncs a GPU each time).
+        # softmax and log-softmax keep the order of the logits: one top-k serves every list
+        if sample.stages is not None:
+            top_ids = torch.tensor([row[0]["top_ids"] for row in sample.stages], dtype=torch.int64,
+                                   device=logits.device)
+            top_vals = logits.gather(1, top_ids)
+        else:
+            top_vals, top_ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
+        lp_vals = lp.gather(1, top_ids)
+        top_vals, top_ids, lp_vals = (x.cpu().tolist() for x in (top_vals, top_ids, lp_vals))
+        if sample.stages is not None:  # the sampler's first record is the model's own distribution
+            entropy = [row[0]["entropy"] for row in sample.stages]
+        else:
+            probs = lp.exp()
+            entropy = (-torch.special.xlogy(probs, probs).sum(-1)).cpu().tolist()
+        full = logits.float().cpu().numpy() if self.tracer.full else None
+        text = self.token_text
+        for i, req in enumerate(reqs):
+            position = len(req.output_ids)  # the token these logits choose (appended after this call)
+            tensor_name = None
+            if full is not None:
+                tensor_name = f"logits/{step}/{req.req_id}/{position}"
+                self.tracer.tensor(tensor_name, step, req.req_id, full[i])
+            self.emit(ev.Logits(step=step, req_id=req.req_id, t=t, position=position, top_ids=top_ids[i],
+                                top_logits=top_vals[i], entropy=entropy[i], tensor=tensor_name))
+            if sample.stages is not None:
+                self.emit(ev.SamplingStages(
+                    step=step, req_id=req.req_id, t=t, position=position, stages=sample.stages[i],
+                    chosen=sample.next_token_ids[i], greedy=req.params.temperature == 0, draw=sample.draws[i],
+                    seeded=req.generator is not None))
+            tok = sample.next_token_ids[i]
+            tops = [[tid, v, text(tid)] for tid, v in zip(top_ids[i], lp_vals[i])]
+            self.emit(ev.TokenChosen(
+                step=step, req_id=req.req_id, t=t, position=position, token_id=tok, text=text(tok),
+                logprob=_finite(sample.logprobs[i]), rank=sample.ranks[i], top_logprobs=tops))
+
+    def output_processed(self, ctx: StepContext, req: Req, token: int, detok: Any, decision: Any) -> None:
+        """One appended token went through the detokenizer and the finish checks."""
+        if not self.tracer.on:
+            return
+        step, t = ctx.step, _now()
+        self.emit(ev.DetokState(
+            step=step, req_id=req.req_id, t=t, new_ids=[token], prefix_offset=detok.prefix_offset,
+            read_offset=detok.read_offset, decoded_len=detok.decoded_len, held_text=detok.held_text,
+            held_reason=detok.held_reason, delta=detok.delta, stop_matched=detok.stop_matched))
+        self.emit(ev.FinishDecision(step=step, req_id=req.req_id, t=t, checks=list(decision.checks),
+                                    finish_reason=decision.finish_reason, evidence=decision.evidence))
+
+    def stamped(self, ctx: StepContext, req_id: str, stage: str, detail: dict[str, Any]) -> None:
+        if not self.tracer.on:
+            return
+        self.emit(ev.Stamp(step=ctx.step, req_id=req_id, t=_now(), stage=stage, detail=detail))
+
+    def finished(self, ctx: StepContext, req: Req, out: RequestOutput, released: Released, reason: str) -> None:
+        """A request ended: what happened to its KV (freed, or kept by the prefix cache, and the cache
+        entries that superseded), then its final output."""
+        if not self.tracer.on:
+            return
+        if released.slots.numel():
+            self.kv(ctx, req.req_id, "cache" if released.kept else "free", released.slots.tolist(),
+                    f"{reason}: kept by the prefix cache" if released.kept else reason)
+        self.evicted(ctx, released.dropped, f"superseded by {req.req_id}")
+        self.emit(ev.RequestFinished(
+            step=ctx.step, req_id=req.req_id, t=_now(), text=out.text, output_ids=list(out.token_ids),
+            finish_reason=out.finish_reason, matched_stop=out.matched_stop, evidence=out.evidence, usage=out.usage,
+            timings=out.timings, spec=out.spec, error=out.error))
+
+    def error(self, ctx: StepContext, message: str, affected: list[str]) -> None:
+        if not self.tracer.on:
+            return
+        self.emit(ev.EngineError(step=ctx.step, t=_now(), message=message, affected=affected))
+
+    # --- KV ------------------------------------------------------------------------------
+
+    def kv(self, ctx: StepContext, req_id: str | None, op: str, slots: list[int], reason: str) -> None:
+        """A KV operation, reported after it happened: `kv_used` is the pool's occupancy afterwards."""
+        if not self.tracer.on:
+            return
+        alloc = self.allocator
+        self.emit(ev.KVEvent(step=ctx.step, req_id=req_id, t=_now(), op=op, slots=slots, reason=reason,
+                             kv_used=alloc.used(), kv_total=alloc.size))
+
+    def evicted(self, ctx: StepContext, entries: list[CacheEntry], why: str) -> None:
+        for entry in entries:
+            self.kv(ctx, None, "evict", entry.slots.tolist(),
+                    f"prefix cache: {entry.source}'s {len(entry.tokens)} tokens ({why})")

@@ -1,7 +1,7 @@
 """What the engine hands back: per-step deltas and the final `RequestOutput`.
 
-Owns: the output records of the pipeline's tail (`BatchTokenIDOutput` -> detokenizer ->
-`BatchStrOutput` -> `RequestOutput`) and their JSON forms. Does not own: deciding finish reasons
+Owns: the output records of the pipeline's tail (`StepOutput` per request and step, `Finished`
+when a request ends, `RequestOutput` its final result) and their JSON forms. Does not own: deciding finish reasons
 (finish.py) or decoding text (detokenizer.py).
 """
 
@@ -18,24 +18,6 @@ class TokenLogprob:
     logprob: float
     rank: int
     top_logprobs: list[tuple[int, str, float]] = field(default_factory=list)  # (id, text, logprob)
-
-
-@dataclass(frozen=True, slots=True)
-class BatchTokenIDOutput:
-    """Token ids appended this step, per request, before detokenization."""
-
-    req_ids: list[str]
-    new_token_ids: list[list[int]]
-    logprobs: list[list[float]]
-
-
-@dataclass(frozen=True, slots=True)
-class BatchStrOutput:
-    """Text deltas emitted this step per request, after detokenization and stop handling."""
-
-    req_ids: list[str]
-    deltas: list[str]
-    finished: list[bool]
 
 
 @dataclass(slots=True)
@@ -72,3 +54,16 @@ class StepOutput:
     delta: str
     finished: bool
     output: RequestOutput | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A request that ended: its final output and the text the detokenizer still held back (the
+    stream's last delta)."""
+
+    output: RequestOutput
+    tail: str
+
+    def step_output(self) -> StepOutput:
+        """The step output of a request that ends without new tokens (abort, scoring, failure)."""
+        return StepOutput(self.output.req_id, [], self.tail, True, self.output)

@@ -1,9 +1,10 @@
 """Output processing: appending sampled tokens, detokenizing, deciding finish, building outputs.
 
 Owns: the per-request glue of the pipeline's tail — `append_tokens` (ids, logprobs, timings),
-`detokenize` (the request's IncrementalDetokenizer), `decide_finish` (finish.py's ordered checks
-with this request's inputs) and `make_output` (`RequestOutput`). Does not own: the rules
-themselves (detokenizer.py, finish.py, tool_parser.py) or tracing (engine.py emits).
+`process_token` (the request's IncrementalDetokenizer and finish.py's ordered checks with this
+request's inputs), `finish_index` (where a multi-token speculative run must stop, by the same
+rules) and `make_output` (`Finished`). Does not own: the rules themselves (detokenizer.py,
+finish.py, tool_parser.py), the step's order (stage.py) or tracing (tracing.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from workbench.engine.output.detokenizer import DetokUpdate, IncrementalDetokenizer
 from workbench.engine.output.finish import FinishInputs, FinishResult, decide_finish
-from workbench.engine.output.output import RequestOutput, TokenLogprob
+from workbench.engine.output.output import Finished, RequestOutput, TokenLogprob
 from workbench.engine.output.tool_parser import StreamingToolParser
 from workbench.engine.sample.grammar import accept_tokens
 from workbench.engine.sched.request import Req
@@ -84,6 +85,23 @@ class OutputProcessor:
         result = decide_finish(self._inputs(req, n, upd.stop_matched))
         return upd, result
 
+    def finish_index(self, req: Req, tokens: list[int]) -> int:
+        """How many of `tokens` (proposed for `req`, not yet appended) may be appended: through the
+        first one that ends the request by finish.py's rules. Stop strings are left to the
+        detokenizer when the tokens are processed; a grammar's stop tokens count as stop tokens."""
+        p = req.params
+        stop_ids = tuple(p.stop_token_ids) + (tuple(req.grammar.stop_token_ids) if req.grammar is not None else ())
+        done = len(req.output_ids)
+        for j, tok in enumerate(tokens):
+            n = done + j + 1
+            inputs = FinishInputs(
+                aborted=req.abort_reason, num_output_tokens=n, max_new_tokens=p.max_new_tokens,
+                min_new_tokens=p.min_new_tokens, seq_len=len(req.prompt_ids) + n, context_limit=self.context_limit,
+                last_token_id=tok, eos_token_ids=self.eos_token_ids, ignore_eos=p.ignore_eos, stop_token_ids=stop_ids)
+            if decide_finish(inputs).finished:
+                return j + 1
+        return len(tokens)
+
     def truncate(self, req: Req, n: int) -> None:
         """Drop output tokens after the `n`-th (a finish inside a multi-token step, e.g. speculation)."""
         for seq in (req.output_ids, req.output_logprobs, req.output_ranks, req.output_top_logprobs,
@@ -116,7 +134,7 @@ class OutputProcessor:
                         "top_logprobs": [(i, self.token_text(i), v) for i, v in top]})
         return out
 
-    def make_output(self, req: Req) -> tuple[RequestOutput, str]:
+    def make_output(self, req: Req) -> Finished:
         """The final output, and the text the detokenizer still held back (the stream's last delta)."""
         tail = req.detok.flush()
         n = len(req.output_ids)
@@ -128,7 +146,7 @@ class OutputProcessor:
                                           req.output_top_logprobs[:n], strict=True)
             ]
         times = req.token_times[:n]
-        return RequestOutput(
+        out = RequestOutput(
             req_id=req.req_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids, text=req.detok.text,
             token_ids=list(req.output_ids), finish_reason=req.finish_reason, matched_stop=req.matched_stop,
             evidence=req.evidence, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs(req), usage={
@@ -137,4 +155,5 @@ class OutputProcessor:
             timings={**req.timing.summary(times, time.perf_counter()), "preemptions": req.num_preemptions},
             spec=req.spec_stats.to_dict() if req.spec_stats is not None else None,
             tool_calls=self._tool_calls(req, tail), error=req.error,
-            token_ids_logprobs=list(req.output_token_ids_logprobs[:n]) if req.params.token_ids_logprob else None), tail
+            token_ids_logprobs=list(req.output_token_ids_logprobs[:n]) if req.params.token_ids_logprob else None)
+        return Finished(out, tail)

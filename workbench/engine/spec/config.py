@@ -4,8 +4,8 @@ Owns: `SpecConfig` (which drafter, how many tokens, its parameters) and its pars
 `spec=` value of `Engine` / `--spec` of the CLI (a string such as `"ngram:k=4"`,
 `"draft:smollm2:k=4"`, `"early-exit:layers=8:k=4"`, a dict, or a `SpecConfig`), validation with
 ValueErrors naming the parameter, `SpecStats` (what `RequestOutput.spec` carries) and
-`make_spec_worker`. Does not own: drafting (spec_drafters.py), verification (spec_verify.py) or
-the speculative step itself (spec_worker.py).
+`Target` (the parts of the target model the worker and the drafters are given). Does not own:
+drafting (drafters.py), verification (verify.py) or the speculative step itself (worker.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from workbench.engine.engine import Engine
-    from workbench.engine.spec.worker import SpecWorker
+    from workbench.engine.run.model_runner import ModelRunner
+    from workbench.engine.sample.sampler import Sampler
+    from workbench.engine.sched.memory import Memory
 
 METHODS = ("ngram", "draft", "early-exit")
 _METHOD_ALIASES = {"ngram": "ngram", "prompt-lookup": "ngram", "draft": "draft", "draft-model": "draft",
@@ -157,18 +158,6 @@ class SpecStats:
             self.proposed_per_position[i] += 1
             self.accepted_per_position[i] += int(i < n)
 
-    def merge(self, other: SpecStats) -> None:
-        for i, (p, a) in enumerate(zip(other.proposed_per_position, other.accepted_per_position)):
-            if i >= len(self.proposed_per_position):
-                self.proposed_per_position.append(0)
-                self.accepted_per_position.append(0)
-            self.proposed_per_position[i] += p
-            self.accepted_per_position[i] += a
-        self.drafts += other.drafts
-        self.draft_tokens += other.draft_tokens
-        self.accepted_tokens += other.accepted_tokens
-        self.emitted_tokens += other.emitted_tokens
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: counts, acceptance rate, acceptance per draft position and mean acceptance length
         (tokens gained per verification round: 1 + accepted / rounds, as vLLM reports it)."""
@@ -182,10 +171,16 @@ class SpecStats:
         }
 
 
-def make_spec_worker(spec: str | dict[str, Any] | SpecConfig, engine: Engine) -> SpecWorker:
-    """Build the speculative worker for `engine` (called by `Engine.__init__` when `spec` is given)."""
-    from workbench.engine.spec.drafters import make_drafter
-    from workbench.engine.spec.worker import SpecWorker
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What the speculative worker and the drafters get of the target model: its runner, KV memory
+    and sampler, and the facts they need about it (never the engine)."""
 
-    cfg = parse_spec(spec)
-    return SpecWorker(cfg, engine, make_drafter(cfg, engine))
+    runner: ModelRunner
+    memory: Memory
+    sampler: Sampler
+    tokenizer: Any
+    device: str
+    dtype: Any  # the loaded model's dtype spec (a draft model loads with the same)
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]

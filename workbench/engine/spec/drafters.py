@@ -4,7 +4,7 @@ Owns: `NgramDrafter` (prompt lookup, no model), `DraftModelDrafter` (a separate 
 target's tokenizer, with its own ModelRunner and KV Memory) and `EarlyExitDrafter` (the target's
 first N layers with its final norm and head), each proposing up to `k` tokens per request with the
 drafter's probability q of each, plus their KV bookkeeping. Does not own: verification
-(spec_verify.py), the target's KV or tracing (the worker emits the `forwards` a drafter ran).
+(verify.py), the target's KV or tracing (the worker reports the `forwards` a drafter ran).
 
 KV of the model drafters. The draft model keeps its own pool, sized like the target's; it catches
 up with the tokens the target committed in the first forward of each round (`DRAFT_EXTEND`: every
@@ -29,11 +29,10 @@ from workbench.engine.run.model_runner import ModelRunner
 from workbench.engine.sample.sampler import SamplingBatchInfo
 from workbench.engine.sched.memory import Memory
 from workbench.engine.sched.request import Req
-from workbench.engine.spec.config import SpecConfig
+from workbench.engine.spec.config import SpecConfig, Target
 
 if TYPE_CHECKING:
-    from workbench.engine.engine import Engine
-    from workbench.engine.sched.scheduler import ScheduleBatch
+    from workbench.engine.sched.batch import ScheduleBatch
 
 
 @dataclass(slots=True)
@@ -122,9 +121,9 @@ class _ModelDrafter(_DrafterHooks):
 
     layer_limit: int | None = None
 
-    def __init__(self, name: str, engine: Engine, runner: ModelRunner, memory: Memory) -> None:
+    def __init__(self, name: str, target: Target, runner: ModelRunner, memory: Memory) -> None:
         self.name = name
-        self.engine = engine
+        self.target = target
         self.runner = runner
         self.memory = memory
         self.forwards: list[DraftForward] = []
@@ -187,21 +186,20 @@ class _ModelDrafter(_DrafterHooks):
 
     def _forward(self, mode: ForwardMode, rows: list[RowSpec]) -> torch.Tensor:
         t0 = time.perf_counter()
-        fb = build_forward_batch(mode, rows, self.memory, self.engine.device)
+        fb = build_forward_batch(mode, rows, self.memory, self.target.device)
         fb.layer_limit = self.layer_limit
         logits = self.runner.forward(fb)
         self.forwards.append(DraftForward(fb, time.perf_counter() - t0))
-        return _fit_vocab(logits, self.engine.vocab_size)
+        return _fit_vocab(logits, self.target.vocab_size)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req], prefixes: list[list[int]]
                 ) -> tuple[list[int], list[float], torch.Tensor]:
         """Draw each row's draft token from the drafter's distribution after the request's own
         sampling stages (the drafts so far as prefixes); greedy requests take the argmax."""
-        eng = self.engine
-        info = SamplingBatchInfo.build(reqs, eng.vocab_size, eng.device, eos_token_ids=eng.outputs.eos_token_ids,
-                                       prefixes=prefixes)
-        probs = torch.softmax(eng.sampler.process(logits, info), dim=-1)  # [B, V]
-        ids, _ = eng.sampler.draw(probs, info)
+        t = self.target
+        info = SamplingBatchInfo.build(reqs, t.vocab_size, t.device, eos_token_ids=t.eos_token_ids, prefixes=prefixes)
+        probs = torch.softmax(t.sampler.process(logits, info), dim=-1)  # [B, V]
+        ids, _ = t.sampler.draw(probs, info)
         q_tok = probs.gather(1, ids.view(-1, 1).to(probs.device))[:, 0]
         return ids.tolist(), q_tok.tolist(), probs
 
@@ -223,12 +221,12 @@ def _fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
 class EarlyExitDrafter(_ModelDrafter):
     """The target's first `exit_layer` layers + final norm + head, reading the target's own KV."""
 
-    def __init__(self, cfg: SpecConfig, engine: Engine) -> None:
-        layers = engine.runner.num_layers
+    def __init__(self, cfg: SpecConfig, target: Target) -> None:
+        layers = target.runner.num_layers
         exit_layer = cfg.exit_layer if cfg.exit_layer is not None else max(1, layers // 2)
         if not 1 <= exit_layer < layers:
             raise ValueError(f"exit_layer must be in [1, {layers - 1}] for a {layers}-layer model, got {exit_layer}")
-        super().__init__(f"early-exit({exit_layer}/{layers})", engine, engine.runner, engine.memory)
+        super().__init__(f"early-exit({exit_layer}/{layers})", target, target.runner, target.memory)
         self.layer_limit = exit_layer
         self._scratch: dict[str, int] = {}  # req_id -> draft tokens written past req.kv_len this round
         self._slots: list[torch.Tensor] = []
@@ -257,20 +255,20 @@ class EarlyExitDrafter(_ModelDrafter):
 class DraftModelDrafter(_ModelDrafter):
     """A separate model sharing the target's tokenizer, with its own runner and KV pool."""
 
-    def __init__(self, cfg: SpecConfig, engine: Engine) -> None:
+    def __init__(self, cfg: SpecConfig, target: Target) -> None:
         from workbench.models.loader import load_model
 
-        loaded = load_model(cfg.draft_model, device=engine.device, dtype=engine.loaded.dtype)
-        if loaded.tokenizer.get_vocab() != engine.tokenizer.get_vocab():
+        loaded = load_model(cfg.draft_model, device=target.device, dtype=target.dtype)
+        if loaded.tokenizer.get_vocab() != target.tokenizer.get_vocab():
             raise ValueError(f"draft_model {cfg.draft_model!r} does not share the target's tokenizer "
-                             f"(vocabularies differ: {len(loaded.tokenizer)} vs {len(engine.tokenizer)} tokens)")
+                             f"(vocabularies differ: {len(loaded.tokenizer)} vs {len(target.tokenizer)} tokens)")
         runner = ModelRunner(loaded)
-        target = engine.memory
-        self.max_context_len = min(runner.max_context_len, engine.runner.max_context_len)
+        pools = target.memory
+        self.max_context_len = min(runner.max_context_len, target.runner.max_context_len)
         memory = Memory(num_layers=runner.num_layers, kv_heads=runner.kv_heads, head_dim=runner.head_dim,
-                        kv_tokens=target.allocator.size, max_running=target.req_to_token_pool.size,
-                        max_context_len=self.max_context_len, dtype=runner.dtype, device=engine.device)
-        super().__init__(cfg.describe(), engine, runner, memory)
+                        kv_tokens=pools.allocator.size, max_running=pools.req_to_token_pool.size,
+                        max_context_len=self.max_context_len, dtype=runner.dtype, device=target.device)
+        super().__init__(cfg.describe(), target, runner, memory)
         self.loaded = loaded
         self.seqs: dict[str, list[int]] = {}  # req_id -> [draft pool slot, draft kv_len]
 
@@ -344,9 +342,9 @@ class DraftModelDrafter(_ModelDrafter):
 Drafter = NgramDrafter | EarlyExitDrafter | DraftModelDrafter
 
 
-def make_drafter(cfg: SpecConfig, engine: Engine) -> Drafter:
+def make_drafter(cfg: SpecConfig, target: Target) -> Drafter:
     if cfg.method == "ngram":
         return NgramDrafter(cfg)
     if cfg.method == "early-exit":
-        return EarlyExitDrafter(cfg, engine)
-    return DraftModelDrafter(cfg, engine)
+        return EarlyExitDrafter(cfg, target)
+    return DraftModelDrafter(cfg, target)

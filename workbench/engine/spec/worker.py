@@ -4,11 +4,12 @@ Owns: `SpecWorker`, which `Engine.step()` calls for pure-DECODE batches when `sp
 step: plan how many tokens each request may draft (its sampling stages supported, tokens left,
 context, free KV), let the drafter propose, run one `TARGET_VERIFY` forward through the target's
 ModelRunner (rows `[last token] + drafts`), verify each request (greedy prefix / rejection
-sampling), cut the accepted run at a stop token or `max_new_tokens`, free the KV slots of every
-rejected (or cut) draft at once, and hand the tokens to the engine's output path. Requests with no
-draft this step run as plain decode rows of the same forward, through the engine's Sampler. Also
-keeps the engine-level metrics. Does not own: drafting (spec_drafters.py), the acceptance rule
-(spec_verify.py) or the detokenizer / finish rules (the engine's output path).
+sampling), cut the accepted run where the output stage's finish rules end it, free the KV slots of
+every rejected (or cut) draft at once, and hand the tokens to the output stage. Requests with no
+draft this step run as plain decode rows of the same forward, through the target's Sampler. Also
+keeps the engine-level metrics. It is given the target's parts (`Target`) and the output stage;
+the step's state lives in the `StepContext` it is handed. Does not own: drafting (drafters.py), the
+acceptance rule (verify.py) or the detokenizer / finish rules (the output stage).
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from workbench.engine import tracing
 from workbench.engine.output.output import StepOutput
+from workbench.engine.output.stage import NewTokens, OutputStage
 from workbench.engine.run.forward_batch import ForwardBatch, ForwardMode, RowSpec, build_forward_batch
 from workbench.engine.sample.logprobs import token_logprobs
 from workbench.engine.sample.sampler import SamplingBatchInfo
 from workbench.engine.sched.request import Req
 from workbench.engine.spec import trace as spec_trace
-from workbench.engine.spec.config import SpecConfig, SpecStats
-from workbench.engine.spec.drafters import Draft, Drafter, token_rows
+from workbench.engine.spec.config import SpecConfig, SpecStats, Target, parse_spec
+from workbench.engine.spec.drafters import Draft, Drafter, make_drafter, token_rows
 from workbench.engine.spec.verify import (
     AcceptRule,
     VerifyResult,
@@ -38,13 +39,13 @@ from workbench.engine.spec.verify import (
 )
 
 if TYPE_CHECKING:
-    from workbench.engine.engine import Engine
-    from workbench.engine.sched.scheduler import ScheduleBatch
+    from workbench.engine.sched.batch import ScheduleBatch
+    from workbench.engine.step import StepContext
 
 
 @dataclass(slots=True)
 class SpecTokens:
-    """The tokens one verification appends, shaped like SamplerOutput for `OutputProcessor.append_tokens`."""
+    """The tokens one verification appends, shaped like SamplerOutput for `OutputStage.append`."""
 
     next_token_ids: list[int]
     logprobs: list[float]
@@ -54,11 +55,18 @@ class SpecTokens:
     sources: list[str]  # spec_accept | spec_recover | spec_bonus
 
 
+def make_spec_worker(spec: str | dict[str, Any] | SpecConfig, target: Target, outputs: OutputStage) -> SpecWorker:
+    """Parse `spec` (see `parse_spec`) and build its drafter and worker for `target`."""
+    cfg = parse_spec(spec)
+    return SpecWorker(cfg, make_drafter(cfg, target), target, outputs)
+
+
 class SpecWorker:
-    def __init__(self, cfg: SpecConfig, engine: Engine, drafter: Drafter) -> None:
+    def __init__(self, cfg: SpecConfig, drafter: Drafter, target: Target, outputs: OutputStage) -> None:
         self.cfg = cfg
-        self.engine = engine
         self.drafter = drafter
+        self.target = target
+        self.outputs = outputs
         self.accept_rule: AcceptRule = leviathan_accept  # injectable: tests prove a wrong rule is caught
         self.totals = SpecStats()
         self.verify_steps = 0
@@ -68,11 +76,11 @@ class SpecWorker:
 
     # --- hooks the engine calls ----------------------------------------------------------
 
-    def on_extend(self, batch: ScheduleBatch) -> None:
+    def on_extend(self, ctx: StepContext, batch: ScheduleBatch) -> None:
         """After the target's EXTEND/MIXED forward: prefill the drafter alongside (draft model only)."""
         self.drafter.forwards = []
         self.drafter.on_extend(batch)
-        self._trace_draft_forwards()
+        self._report_draft_forwards(ctx)
 
     def release(self, req: Req) -> None:
         """The request finished or was preempted: drop whatever the drafter holds for it."""
@@ -87,53 +95,51 @@ class SpecWorker:
 
     # --- the step ------------------------------------------------------------------------
 
-    def step(self, batch: ScheduleBatch) -> list[StepOutput]:
-        eng = self.engine
+    def step(self, ctx: StepContext, batch: ScheduleBatch) -> list[StepOutput]:
         reqs = list(batch.decode)
         t0 = time.perf_counter()
         self.drafter.forwards = []
         drafts = self.drafter.propose(reqs, self.drafter.limit(reqs, self._plan(reqs)))
         self.draft_s += time.perf_counter() - t0
-        self._trace_draft_forwards()
+        self._report_draft_forwards(ctx)
         spec = [(r, d) for r, d in zip(reqs, drafts) if d.tokens]
         plain = [r for r, d in zip(reqs, drafts) if not d.tokens]
-        if eng.tracer.on:
-            for req, draft in spec:
-                spec_trace.emit_draft(eng, req, self.drafter.name, draft)
+        for req, draft in spec:
+            spec_trace.drafted(ctx, req, self.drafter.name, draft)
         t1 = time.perf_counter()
-        fb, logits = self._verify_forward(spec, plain)
+        fb, logits = self._verify_forward(ctx, spec, plain)
         t2 = time.perf_counter()
         split = sum(len(d.tokens) + 1 for _, d in spec)
-        new_tokens = self._decode_plain(plain, logits[split:])
-        new_tokens.update(self._verify(spec, logits[:split]))
+        new = self._decode_plain(ctx, plain, logits[split:]) + self._verify(ctx, spec, logits[:split])
         t3 = time.perf_counter()
         # the request's stage clock: drafting and the verify forward count as forward, verification as sample
-        eng.clock.forward_end, eng.clock.sampled = t2, t3
+        ctx.clock.forward_end, ctx.clock.sampled = t2, t3
         self.verify_s += t3 - t1
         self.verify_steps += bool(spec)
-        if eng.tracer.on:
-            eng.tracer.emit(tracing.forward_done_event(eng, fb, t2 - t1, t3 - t2))
-        return eng._process_outputs(reqs, new_tokens)
+        ctx.obs.forward_done(ctx, fb, t2 - t1, t3 - t2)
+        by_req = {id(n.req): n for n in new}
+        return self.outputs.process(ctx, [by_req[id(r)] for r in reqs])
 
     def _plan(self, reqs: list[Req]) -> list[int]:
         """Draft tokens each request may propose: k, cut to its remaining tokens, context and free KV
         (each request's decode slot comes first; the k+1 verify slots are taken greedily)."""
-        eng = self.engine
-        free = eng.memory.allocator.available_size() - len(reqs)
+        free = self.target.memory.allocator.available_size() - len(reqs)
+        max_ctx = self.target.runner.max_context_len
         ks = []
         for req in reqs:
             k = max(0, min(self.cfg.num_speculative_tokens, req.params.max_new_tokens - len(req.output_ids) - 1,
-                           eng.runner.max_context_len - req.seq_len - 1, free))
+                           max_ctx - req.seq_len - 1, free))
             free -= k
             ks.append(k)
         return ks
 
-    def _verify_forward(self, spec: list[tuple[Req, Draft]], plain: list[Req]) -> tuple[ForwardBatch, torch.Tensor]:
+    def _verify_forward(self, ctx: StepContext, spec: list[tuple[Req, Draft]], plain: list[Req]
+                        ) -> tuple[ForwardBatch, torch.Tensor]:
         """One target forward over `[last] + drafts` of every drafted request, then the plain decodes.
 
         Each verified position is packed as its own one-token row (see `token_rows`), so the whole
         verify batch takes the batched decode attention path."""
-        eng = self.engine
+        t = self.target
         rows, row_reqs = [], []
         for r, d in spec:
             rows += token_rows(r.req_id, r.req_pool_idx, r.kv_len, [r.fill_ids[-1]] + d.tokens, len(d.tokens) + 1)
@@ -141,51 +147,51 @@ class SpecWorker:
         rows += [RowSpec(r.req_id, r.req_pool_idx, r.kv_len, [r.fill_ids[-1]], 1) for r in plain]
         row_reqs += plain
         mode = ForwardMode.TARGET_VERIFY if spec else ForwardMode.DECODE
-        fb = eng._step_fb = build_forward_batch(mode, rows, eng.memory, eng.device)
-        if eng.tracer.on:  # the per-row sampling summary of the trace (verification builds its own)
+        fb = ctx.fb = build_forward_batch(mode, rows, t.memory, t.device)
+
+        def sampling() -> SamplingBatchInfo:  # the trace's per-row summary (verification builds its own)
             prefixes = [d.tokens[:i] for _, d in spec for i in range(len(d.tokens) + 1)] + [[] for _ in plain]
-            fb.sampling_info = SamplingBatchInfo.build([row_reqs[i] for i in fb.logits_owner], eng.vocab_size,
-                                                       eng.device, eos_token_ids=eng.outputs.eos_token_ids,
-                                                       prefixes=prefixes)
-            eng.tracer.emit(tracing.forward_batch_event(eng, fb))
-        logits = eng.runner.forward(fb)  # [sum(k_i + 1) + len(plain), vocab]
+            return SamplingBatchInfo.build([row_reqs[i] for i in fb.logits_owner], t.vocab_size, t.device,
+                                           eos_token_ids=t.eos_token_ids, prefixes=prefixes)
+
+        ctx.obs.batch_built(ctx, fb, sampling=sampling)
+        logits = t.runner.forward(fb)  # [sum(k_i + 1) + len(plain), vocab]
         for req in row_reqs:
             req.kv_len += 1
-        eng._step_kv_counted = True
+        ctx.kv_counted = True
         return fb, logits
 
-    def _decode_plain(self, plain: list[Req], logits: torch.Tensor) -> dict[str, list[int]]:
+    def _decode_plain(self, ctx: StepContext, plain: list[Req], logits: torch.Tensor) -> list[NewTokens]:
         """Requests without drafts this step: exactly the engine's normal decode sampling."""
         if not plain:
-            return {}
-        eng = self.engine
-        info = SamplingBatchInfo.build(plain, eng.vocab_size, eng.device, eos_token_ids=eng.outputs.eos_token_ids)
-        sample = eng.sampler(logits, info, eng.trace_topk if eng.tracer.on else 0)
-        if eng.tracer.on:
-            tracing.emit_sampling(eng, plain, logits, sample)
-        eng.outputs.append_tokens(plain, sample, eng.step_no)
-        return {req.req_id: [tok] for req, tok in zip(plain, sample.next_token_ids)}
+            return []
+        t = self.target
+        info = SamplingBatchInfo.build(plain, t.vocab_size, t.device, eos_token_ids=t.eos_token_ids)
+        sample = t.sampler(logits, info, ctx.obs.topk)
+        ctx.obs.sampled(ctx, plain, logits, sample)
+        self.outputs.append(ctx, plain, sample)
+        return [NewTokens(req, [tok]) for req, tok in zip(plain, sample.next_token_ids)]
 
-    def _verify(self, spec: list[tuple[Req, Draft]], logits: torch.Tensor) -> dict[str, list[int]]:
+    def _verify(self, ctx: StepContext, spec: list[tuple[Req, Draft]], logits: torch.Tensor) -> list[NewTokens]:
         """Verify every drafted request against its k+1 target rows and commit the result.
 
         Each row is sampled for its request with the drafts before that position as prefix, so p is
         the distribution the request would sample from there (penalties, grammar, filters)."""
         if not spec:
-            return {}
-        eng = self.engine
-        info = SamplingBatchInfo.build([r for r, d in spec for _ in range(len(d.tokens) + 1)], eng.vocab_size,
-                                       eng.device, eos_token_ids=eng.outputs.eos_token_ids,
+            return []
+        t = self.target
+        info = SamplingBatchInfo.build([r for r, d in spec for _ in range(len(d.tokens) + 1)], t.vocab_size,
+                                       t.device, eos_token_ids=t.eos_token_ids,
                                        prefixes=[d.tokens[:i] for _, d in spec for i in range(len(d.tokens) + 1)])
-        final = eng.sampler.process(logits, info)  # [S, V], removed tokens -inf
+        final = t.sampler.process(logits, info)  # [S, V], removed tokens -inf
         probs = torch.softmax(final, dim=-1)
         raw_lp = torch.log_softmax(logits.float(), dim=-1)
         lp = torch.where(info.processed[:, None], torch.log_softmax(final, dim=-1), raw_lp)
         argmax = final.argmax(dim=-1).tolist()  # a greedy row's token
         sampled = [r for r, _ in spec if r.params.temperature != 0]
-        draw = sampler_draw(eng.sampler, SamplingBatchInfo.build(sampled[:1], eng.vocab_size, eng.device)) \
+        draw = sampler_draw(t.sampler, SamplingBatchInfo.build(sampled[:1], t.vocab_size, t.device)) \
             if sampled else None
-        out, o = {}, 0
+        out, o = [], 0
         for req, d in spec:
             k = len(d.tokens)
             rows = slice(o, o + k + 1)
@@ -195,59 +201,41 @@ class SpecWorker:
             else:
                 res = verify_sampled(req, d.tokens, d.q, d.q_dist, probs[rows], argmax[rows], draw,
                                      self.accept_rule)
-            out[req.req_id] = self._commit(req, res, logits[rows], raw_lp[rows], lp[rows])
+            out.append(NewTokens(req, self._commit(ctx, req, res, logits[rows], raw_lp[rows], lp[rows])))
             o += k + 1
         return out
 
-    def _commit(self, req: Req, res: VerifyResult, logits: torch.Tensor, raw_lp: torch.Tensor,
+    def _commit(self, ctx: StepContext, req: Req, res: VerifyResult, logits: torch.Tensor, raw_lp: torch.Tensor,
                 lp: torch.Tensor) -> list[int]:
         """Cut the run at a finish, free the KV of what is not kept, append the tokens; return them."""
-        eng = self.engine
+        memory = self.target.memory
         k = len(res.draft_tokens)
-        tokens = res.tokens[: self._cut(req, res.tokens)]
+        tokens = res.tokens[: self.outputs.finish_index(req, res.tokens)]
         m = len(tokens)
         base = req.kv_len - (k + 1)  # KV length before this verify
         keep = base + m  # [last] and the accepted drafts before the final token stay
-        freed = eng.memory.req_to_token_pool.req_to_token[req.req_pool_idx, keep:req.kv_len].cpu()
+        freed = memory.req_to_token_pool.req_to_token[req.req_pool_idx, keep:req.kv_len].cpu()
         position = len(req.output_ids)
-        eng.memory.allocator.free(freed)
-        if eng.tracer.on and freed.numel():
-            eng.tracer.emit(tracing.kv_event(eng, req.req_id, "rollback", freed.tolist(), "spec: rejected drafts"))
+        memory.allocator.free(freed)
+        if freed.numel():
+            ctx.obs.kv(ctx, req.req_id, "rollback", freed.tolist(), "spec: rejected drafts")
         req.kv_len = keep
         draft_freed = self.drafter.after_verify(req)
         if req.spec_stats is None:
             req.spec_stats = SpecStats()
         req.spec_stats.record(res.accepted, m)
         self.totals.record(res.accepted, m)
-        chosen = _token_records(req, tokens, res, lp, eng.trace_topk if eng.tracer.on else 0)
-        if eng.tracer.on:
-            spec_trace.emit_verify(eng, req, res, position, tokens, freed.tolist(), draft_freed)
-            spec_trace.emit_tokens(eng, req, position, logits, raw_lp, chosen)
-        eng.outputs.append_tokens([req] * m, chosen, eng.step_no)
+        chosen = _token_records(req, tokens, res, lp, ctx.obs.topk)
+        spec_trace.verified(ctx, req, res, position, tokens, freed, draft_freed)
+        spec_trace.committed(ctx, req, position, logits, raw_lp, chosen)
+        self.outputs.append(ctx, [req] * m, chosen)
         return tokens
 
-    def _cut(self, req: Req, tokens: list[int]) -> int:
-        """How many of `tokens` to append: through the first that ends the request (finish.py's rules:
-        max_new_tokens or the context limit; EOS unless ignore_eos, stop_token_ids, a grammar's stop
-        token, none while at most min_new_tokens tokens exist). Stop strings are the detokenizer's."""
-        p, outputs = req.params, self.engine.outputs
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(outputs.eos_token_ids))
-        if req.grammar is not None:
-            stops |= set(req.grammar.stop_token_ids)
-        for j, tok in enumerate(tokens):
-            count = len(req.output_ids) + j + 1
-            if count >= p.max_new_tokens or req.seq_len + j + 1 >= outputs.context_limit:
-                return j + 1
-            if count > p.min_new_tokens and tok in stops:
-                return j + 1
-        return len(tokens)
-
-    def _trace_draft_forwards(self) -> None:
+    def _report_draft_forwards(self, ctx: StepContext) -> None:
         forwards, self.drafter.forwards = self.drafter.forwards, []
         self.draft_forwards += len(forwards)
-        if self.engine.tracer.on:
-            for f in forwards:
-                spec_trace.emit_draft_forward(self.engine, f.fb, f.seconds)
+        for f in forwards:
+            spec_trace.draft_forward(ctx, f.fb, f.seconds)
 
 
 def _token_records(req: Req, tokens: list[int], res: VerifyResult, lp: torch.Tensor, trace_k: int

@@ -1,0 +1,41 @@
+"""The engine's configuration as one typed record (`EngineConfig`), as a trace's run metadata shows it.
+
+Owns: `EngineConfig` and `CpuKernels` (which native paths ran, so a trace says it: a replay elsewhere
+may take the torch paths) and their JSON form, `to_dict()`, whose keys and order are the `engine`
+entry of every trace's meta (the example traces in traces/ depend on it). Does not own: validating
+the arguments (Engine.__init__ and the parts it builds) or the speculative config (spec/config.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class CpuKernels:
+    decode_attention: bool  # the native CPU decode-attention kernel ran (CPU, fp32, extension built)
+    packed_linear_bytes: int  # bytes of weights repacked for the native linear kernels
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: Any  # the model spec it was loaded from
+    device: str
+    dtype: Any
+    max_batch_tokens: int
+    chunk_size: int
+    kv_tokens: int
+    max_running: int
+    enable_mixed: bool
+    trace_topk: int
+    seed: int
+    prefix_sharing: bool
+    prefix_cache: bool
+    spec: str | dict[str, Any] | None  # as given, or the SpecConfig's dict
+    cpu_kernels: CpuKernels
+
+    def to_dict(self) -> dict[str, Any]:
+        """The trace meta's `engine` entry (keys in field order)."""
+        return dataclasses.asdict(self)
