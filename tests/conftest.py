@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import os
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,3 +61,71 @@ def tiny_sp():
     from workbench.models import load_model
 
     return load_model("tiny-random-sp", device="cpu")
+
+
+# --- fixtures shared by several test modules ------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer() -> Any:
+    from tests.tokenizers_fixtures import load_smollm2_tokenizer
+
+    return load_smollm2_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def sp_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from tests.tokenizers_fixtures import _sentencepiece_tokenizer
+
+    return _sentencepiece_tokenizer(str(tmp_path_factory.getbasetemp() / "sp_tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    """Async tests (`pytest.mark.anyio`) run on asyncio, as Textual needs."""
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder() -> Path:
+    from tests.test_tui_fixtures import smollm2_tokenizer_folder
+
+    return smollm2_tokenizer_folder()
+
+
+@pytest.fixture(scope="session")
+def example_trace(tmp_path_factory: pytest.TempPathFactory, smollm2_folder: Path) -> Path:
+    """The designed six-step example trace the TUI tests read (tests/test_tui_fixtures.py)."""
+    from tests.test_tui_fixtures import write_example_trace
+
+    return write_example_trace(tmp_path_factory.mktemp("tui") / "example.wbtrace", smollm2_folder)
+
+
+@pytest.fixture(scope="module")
+def page_server(tiny):
+    """A tiny-random server with the live page, for the browser tests."""
+    from workbench.engine.engine import Engine
+    from workbench.server.app import create_app
+    from workbench.server.background import BackgroundServer
+    from workbench.server.event_hub import EventHub
+
+    hub = EventHub()
+    engine = Engine(tiny, trace_level="summary", trace_sinks=[hub])
+    with BackgroundServer(create_app(engine, model_name="tiny-random", hub=hub)) as srv:
+        yield srv
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium driven by playwright (the browser tests skip without chromium)."""
+    from tests.test_server_page import ARGS, CHROMIUM
+
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("the live-page test needs the playwright package (pip install playwright)")
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()

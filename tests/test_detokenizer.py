@@ -15,7 +15,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.tokenizers_fixtures import smollm2_tokenizer, sp_tokenizer  # noqa: F401  (pytest fixtures)
 from workbench.engine.output.detokenizer import IncrementalDetokenizer, render_ids
 from workbench.trace.events import DetokState, event_loads
 
@@ -81,7 +80,7 @@ def test_random_text_streams_without_broken_characters(tok: Any, text: str, grou
         assert not any("\ufffd" in d for d in deltas)
 
 
-def test_smollm2_roundtrips_text_exactly(smollm2_tokenizer: Any) -> None:  # noqa: F811
+def test_smollm2_roundtrips_text_exactly(smollm2_tokenizer: Any) -> None:
     text = "Hello 世界 😀 e\u0301 👩\u200d💻!\n\n  x"
     ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
     _, deltas = stream(smollm2_tokenizer, ids, [1])
@@ -105,7 +104,7 @@ def test_flush_releases_an_unfinished_character_as_decode_shows_it(tok: Any) -> 
     assert "".join(deltas) == tok.decode(ids) and deltas[-1].endswith("\ufffd")
 
 
-def test_prompt_ids_keep_the_first_tokens_leading_space(sp_tokenizer: Any) -> None:  # noqa: F811
+def test_prompt_ids_keep_the_first_tokens_leading_space(sp_tokenizer: Any) -> None:
     prompt = sp_tokenizer.encode("the quick", add_special_tokens=False)
     out = sp_tokenizer.encode(" brown fox", add_special_tokens=False)
     plain = IncrementalDetokenizer(sp_tokenizer)
@@ -116,7 +115,7 @@ def test_prompt_ids_keep_the_first_tokens_leading_space(sp_tokenizer: Any) -> No
     assert whole.endswith(seeded.text) and whole == sp_tokenizer.decode(prompt) + seeded.text
 
 
-def test_decoding_work_per_token_stays_bounded(smollm2_tokenizer: Any) -> None:  # noqa: F811
+def test_decoding_work_per_token_stays_bounded(smollm2_tokenizer: Any) -> None:
     ids = smollm2_tokenizer.encode("The engine streams text token by token, 世界 😀. " * 150, add_special_tokens=False)
     d = IncrementalDetokenizer(smollm2_tokenizer)
     widest = 0
@@ -127,7 +126,7 @@ def test_decoding_work_per_token_stays_bounded(smollm2_tokenizer: Any) -> None: 
     assert d.text + d.flush() == smollm2_tokenizer.decode(ids)
 
 
-def test_update_becomes_a_detok_state_trace_event(sp_tokenizer: Any) -> None:  # noqa: F811
+def test_update_becomes_a_detok_state_trace_event(sp_tokenizer: Any) -> None:
     d = IncrementalDetokenizer(sp_tokenizer, stop=["fox"])
     u = d.push(sp_tokenizer.encode("the quick brown f", add_special_tokens=False))
     assert u.held_reason == "possible_stop" and u.held_text.endswith("f")
@@ -156,7 +155,7 @@ def test_spaces_between_special_tokens(spaces: bool, expected: str) -> None:
     assert "".join(skipped) == "hi yo"
 
 
-def test_specials_shown_when_not_skipped(smollm2_tokenizer: Any) -> None:  # noqa: F811
+def test_specials_shown_when_not_skipped(smollm2_tokenizer: Any) -> None:
     ids = smollm2_tokenizer.encode("Hi<|im_end|><|im_start|>assistant", add_special_tokens=False)
     for spaces in (True, False):
         _, deltas = stream(smollm2_tokenizer, ids, [1], skip_special_tokens=False,
@@ -237,7 +236,7 @@ def test_possible_stop_is_held_then_released(tok: Any) -> None:
     assert d.text + d.flush() == tok.decode(ids)  # no match: everything comes out in the end
 
 
-def test_included_stop_cuts_text_after_it_in_the_same_token(smollm2_tokenizer: Any) -> None:  # noqa: F811
+def test_included_stop_cuts_text_after_it_in_the_same_token(smollm2_tokenizer: Any) -> None:
     ids = smollm2_tokenizer.encode("say hello world", add_special_tokens=False)
     d = IncrementalDetokenizer(smollm2_tokenizer, stop=["hel"], include_stop_str_in_output=True)
     u = d.push(ids)
@@ -255,6 +254,6 @@ def test_stop_strings_wait_for_min_new_tokens(tok: Any) -> None:
     assert d.stop_matched == "fox" and d.text.startswith("fox and ") and d.text.count("fox") == 1
 
 
-def test_bad_stop_strings_are_rejected(sp_tokenizer: Any) -> None:  # noqa: F811
+def test_bad_stop_strings_are_rejected(sp_tokenizer: Any) -> None:
     with pytest.raises(ValueError, match="stop"):
         IncrementalDetokenizer(sp_tokenizer, stop=[""])

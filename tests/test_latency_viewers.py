@@ -12,8 +12,7 @@ import httpx
 import pytest
 from textual.worker import WorkerState
 
-from tests.test_server_page import CHROMIUM, browser, server  # noqa: F401 - fixtures
-from tests.test_tui_fixtures import _anyio_backend, _example_trace, _smollm2_folder  # noqa: F401 - fixtures
+from tests.test_server_page import CHROMIUM
 from tests.test_tui_panes import SIZE, settle
 from tui.app import WorkbenchApp
 from tui.widgets.latency import LatencyPane
@@ -135,13 +134,13 @@ BLUE_PIXELS = """async (src) => {
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="LIVE PAGE WATERFALL NOT CHECKED: chromium is not installed")
-def test_live_page_draws_the_waterfall_when_a_stream_ends(server, browser):  # noqa: F811 - the fixture
+def test_live_page_draws_the_waterfall_when_a_stream_ends(page_server, browser):
     page = browser.new_page(viewport={"width": 1280, "height": 900})
-    page.goto(server.url + "/")
+    page.goto(page_server.url + "/")
     page.wait_for_function("document.getElementById('status').textContent === 'live'", timeout=60_000)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": TOKENS,
             "temperature": 0, "stream": True, "ignore_eos": True}
-    with httpx.Client(timeout=60) as client, client.stream("POST", server.url + "/v1/chat/completions",
+    with httpx.Client(timeout=60) as client, client.stream("POST", page_server.url + "/v1/chat/completions",
                                                            json=body) as resp:
         rid = resp.headers["x-request-id"]
         body = resp.read().decode()

@@ -11,9 +11,9 @@ import pytest
 from workbench.cli import main as cli_main
 from workbench.engine.engine import Engine
 from workbench.engine.sample.sampling_params import SamplingParams
+from workbench.reference import record_hf_trace
 from workbench.replay import replay
 from workbench.trace.diff import diff_traces
-from workbench.trace.hf_adapter import record_hf_trace
 from workbench.trace.reader import open_trace
 
 CHATS = [[{"role": "user", "content": text}] for text in (
@@ -70,6 +70,7 @@ def test_replay_refuses_a_different_model(recorded, tmp_path):
         replay(str(copy), progress=False)
 
 
+@pytest.mark.slow  # loads SmolLM2
 def test_diff_engine_against_transformers(smollm2, tmp_path, capsys):
     prompts = CHATS[:3]
     eng_path, hf_path = tmp_path / "engine.wbtrace", tmp_path / "hf.wbtrace"
@@ -83,6 +84,7 @@ def test_diff_engine_against_transformers(smollm2, tmp_path, capsys):
     assert cli_main(["diff", str(eng_path), str(hf_path)]) == 0
 
 
+@pytest.mark.slow  # loads SmolLM2
 def test_diff_finds_first_divergence(smollm2, tmp_path):
     paths = []
     for temp in (0.0, 1.5):

@@ -18,11 +18,6 @@ import time
 import httpx
 import pytest
 
-from workbench.engine.engine import Engine
-from workbench.server.app import create_app
-from workbench.server.background import BackgroundServer
-from workbench.server.event_hub import EventHub
-
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="LIVE PAGE NOT CHECKED: chromium is not installed "
                                                           "(apt-get install -y chromium)")
@@ -47,24 +42,8 @@ COUNT_TOKEN_PIXELS = """async (src) => {
 
 
 @pytest.fixture(scope="module")
-def server(tiny):
-    hub = EventHub()
-    engine = Engine(tiny, trace_level="summary", trace_sinks=[hub])
-    with BackgroundServer(create_app(engine, model_name=MODEL, hub=hub)) as srv:
-        yield srv
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.fail("the live-page test needs the playwright package (pip install playwright)")
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        yield b
-        b.close()
+def server(page_server):
+    return page_server
 
 
 class LongStream:

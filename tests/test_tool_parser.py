@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.tokenizers_fixtures import smollm2_tokenizer  # noqa: F401  (pytest fixture)
 from workbench.engine.output.tool_parser import (
     StreamingToolParser,
     ToolParseResult,
@@ -108,7 +107,7 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 
 
-def test_tools_go_into_the_system_prompt_smollm2_renders(smollm2_tokenizer: Any) -> None:  # noqa: F811
+def test_tools_go_into_the_system_prompt_smollm2_renders(smollm2_tokenizer: Any) -> None:
     msgs = inject_tools([{"role": "user", "content": "Weather in Paris?"}], TOOLS)
     assert msgs[0]["role"] == "system" and "<tools>" in msgs[0]["content"]
     prompt = smollm2_tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
@@ -123,7 +122,7 @@ def test_existing_system_message_is_kept_and_extended() -> None:
     assert inject_tools(msgs[1:], None) == msgs[1:]
 
 
-def test_tool_turns_are_written_out_so_the_call_parses_back(smollm2_tokenizer: Any) -> None:  # noqa: F811
+def test_tool_turns_are_written_out_so_the_call_parses_back(smollm2_tokenizer: Any) -> None:
     history = [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [

@@ -36,6 +36,7 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow  # its fixture writes a million events (~40 s)
 def test_a_million_event_trace_opens_and_reads_a_step_fast(million: tuple[Path, dict],
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     path, info = million

@@ -24,8 +24,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from workbench.trace import events as ev
 from workbench.trace.reader import open_trace
 from workbench.trace.store import TraceWriter
@@ -283,23 +281,6 @@ def write_example_trace(path: Path, tokenizer_folder: Path) -> Path:
         _step_3(run)
         _steps_4_6(run)
     return path
-
-
-# Fixtures are registered under `name=` so test modules import `_name` without shadowing it (ruff F811).
-@pytest.fixture(scope="session", name="anyio_backend")
-def _anyio_backend() -> str:
-    """Async tests (`pytest.mark.anyio`) run on asyncio, as Textual needs."""
-    return "asyncio"
-
-
-@pytest.fixture(scope="session", name="smollm2_folder")
-def _smollm2_folder() -> Path:
-    return smollm2_tokenizer_folder()
-
-
-@pytest.fixture(scope="session", name="example_trace")
-def _example_trace(tmp_path_factory: pytest.TempPathFactory, smollm2_folder: Path) -> Path:
-    return write_example_trace(tmp_path_factory.mktemp("tui") / "example.wbtrace", smollm2_folder)
 
 
 def test_example_trace_reads_back_as_designed(example_trace: Path) -> None:

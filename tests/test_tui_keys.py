@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_tui_fixtures import _anyio_backend, _example_trace, _smollm2_folder  # noqa: F401 - fixtures
 from tests.test_tui_panes import pane, settle, tui
 from tui.screens.help import HelpScreen, display_key
 from tui.screens.main import MainScreen

@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 
-from tests.test_tui_fixtures import _anyio_backend, _example_trace, _smollm2_folder  # noqa: F401 - fixtures
 from tests.test_tui_panes import SIZE, pane, settle
 from tui.app import WorkbenchApp
 from tui.live import LiveTrace, events_url, parse_sse

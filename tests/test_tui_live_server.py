@@ -12,7 +12,6 @@ import time
 import httpx
 import pytest
 
-from tests.test_tui_fixtures import _anyio_backend  # noqa: F401 - fixture
 from tests.test_tui_live import wait_for
 from tests.test_tui_panes import SIZE, pane, settle
 from tui.app import WorkbenchApp

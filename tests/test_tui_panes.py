@@ -15,7 +15,6 @@ import pytest
 from textual.pilot import Pilot
 from textual.worker import WorkerState
 
-from tests.test_tui_fixtures import _anyio_backend, _example_trace, _smollm2_folder  # noqa: F401 - fixtures
 from tui.app import WorkbenchApp
 from tui.screens.main import MainScreen
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from tests.test_tui_fixtures import _anyio_backend  # noqa: F401 - fixture
 from tests.test_tui_panes import SIZE, pane, settle, tui
 from tui.app import WorkbenchApp
 from workbench.trace.reader import open_trace

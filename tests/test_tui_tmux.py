@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_tui_fixtures import _example_trace, _smollm2_folder  # noqa: F401 - fixtures
-
 WORKBENCH = shutil.which("workbench") or f"{sys.executable} -m workbench.cli"
 
 

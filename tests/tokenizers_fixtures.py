@@ -90,12 +90,3 @@ def load_smollm2_tokenizer(cache_dir: str = str(SMOLLM2_CACHE)) -> Any:
 def _sentencepiece_tokenizer(folder: str) -> Any:
     return load_tokenizer(build_sentencepiece_tokenizer(folder))
 
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer() -> Any:
-    return load_smollm2_tokenizer()
-
-
-@pytest.fixture(scope="session")
-def sp_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return _sentencepiece_tokenizer(str(tmp_path_factory.getbasetemp() / "sp_tokenizer"))

@@ -11,9 +11,9 @@ from pathlib import Path
 from textual.app import App
 from textual.screen import Screen
 
-from tui.model import TraceSource
 from tui.screens.main import MainScreen
 from tui.screens.workers import Options
+from workbench.trace.live import TraceView
 
 
 class WorkbenchApp(App[None]):
@@ -23,7 +23,7 @@ class WorkbenchApp(App[None]):
     TITLE = "workbench"
     ENABLE_COMMAND_PALETTE = False
 
-    def __init__(self, path: str | None = None, *, source: TraceSource | None = None, live_url: str | None = None,
+    def __init__(self, path: str | None = None, *, source: TraceView | None = None, live_url: str | None = None,
                  tokenizer: str | None = None, api_key: str | None = None, show_times: bool = True,
                  step: int | None = None, request: str | None = None) -> None:
         if sum(x is not None for x in (path, source, live_url)) != 1:

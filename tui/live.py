@@ -1,7 +1,7 @@
 """Live mode: follow a running server's `/debug/events` SSE stream into an in-memory trace.
 
-Owns: `LiveTrace` (a `TraceSource` that grows as events arrive, keeping the newest `max_steps`
-steps), `events_url` (what `--live URL` connects to), `parse_sse` (the `data: <json>` framing) and
+Owns: `LiveTrace` (the shared in-memory trace model of `workbench.trace.live`, named after the URL,
+keeping the newest `max_steps` steps), `events_url` (what `--live URL` connects to), `parse_sse` (the `data: <json>` framing) and
 `follow_sse` (the async loop a Textual worker runs: connect, parse, hand batches of events over,
 reconnect with backoff). Never touches a widget: it calls the callbacks it is given, which post
 messages. Does not own the server side (workbench/server) or drawing.
@@ -10,16 +10,13 @@ messages. Does not own the server side (workbench/server) or drawing.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import json
-import threading
 import urllib.parse
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
-from workbench.trace.events import Event, RequestAdded, RequestFinished, event_from_json
-from workbench.trace.format import STEP_COLUMNS, StepSummary
-from workbench.trace.reader import RequestInfo, StepInfo
+from workbench.trace.events import Event, event_from_json
+from workbench.trace.live import LiveEvents
 
 EVENTS_PATH = "/debug/events"
 FLUSH_SECONDS = 0.05  # hand events to the UI at least this often while they arrive
@@ -36,86 +33,12 @@ def events_url(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
 
-class LiveTrace:
-    """An in-memory trace that grows as events arrive (thread-safe; the newest `max_steps` steps kept)."""
-
-    finished = False
+class LiveTrace(LiveEvents):
+    """The live server's trace: an in-memory trace (`workbench.trace.live.LiveEvents`) named after the
+    URL, keeping the newest `max_steps` steps."""
 
     def __init__(self, url: str, max_steps: int = 20_000) -> None:
-        self.name = url
-        self.meta: dict[str, Any] = {"live": url}
-        self.max_steps = max_steps
-        self.num_events = 0
-        self._lock = threading.Lock()
-        self._events: dict[int, list[Event]] = {}
-        self._summaries: dict[int, StepSummary] = {}
-        self._infos: dict[int, StepInfo] = {}
-        self._order: list[int] = []  # step numbers, sorted
-        self._added: dict[str, RequestAdded] = {}
-        self._finished: dict[str, RequestFinished] = {}
-
-    def add(self, events: Iterable[Event]) -> tuple[set[int], set[str]]:
-        """Append events; return the steps and requests they touched."""
-        steps, reqs = set(), set()
-        with self._lock:
-            for event in events:
-                self.num_events += 1
-                self._events.setdefault(event.step, []).append(event)
-                summary = self._summaries.setdefault(event.step, StepSummary(step=event.step))
-                summary.add(self.num_events, event.kind, float(event.t), event.payload())
-                steps.add(event.step)
-                if event.req_id is not None:
-                    reqs.add(event.req_id)
-                if isinstance(event, RequestAdded) and event.req_id is not None:
-                    self._added.setdefault(event.req_id, event)
-                elif isinstance(event, RequestFinished) and event.req_id is not None:
-                    self._finished[event.req_id] = event
-            for step in steps:
-                if step not in self._infos:
-                    bisect.insort(self._order, step)
-                self._infos[step] = _step_info(self._summaries[step])
-            excess = len(self._order) - self.max_steps
-            if excess > 0:
-                for old in self._order[:excess]:
-                    del self._events[old], self._summaries[old], self._infos[old]
-                del self._order[:excess]
-        return steps, reqs
-
-    def steps(self) -> list[StepInfo]:
-        with self._lock:
-            return [self._infos[s] for s in self._order]
-
-    def step(self, n: int) -> list[Event]:
-        with self._lock:
-            return list(self._events.get(int(n), ()))
-
-    def events(self, kind: str | Sequence[str] | None = None, req_id: str | None = None,
-               step_range: tuple[int, int] | None = None, limit: int | None = None) -> Iterator[Event]:
-        kinds = None if kind is None else ({kind} if isinstance(kind, str) else set(kind))
-        with self._lock:
-            numbers = list(self._order)
-            if step_range is not None:
-                numbers = [s for s in numbers if step_range[0] <= s <= step_range[1]]
-            matched = [e for s in numbers for e in self._events[s]
-                       if (kinds is None or e.kind in kinds) and (req_id is None or e.req_id == req_id)]
-        return iter(matched[:limit] if limit is not None else matched)
-
-    def requests(self) -> list[RequestInfo]:
-        with self._lock:
-            ids = list(self._added) + [r for r in self._finished if r not in self._added]
-            return [RequestInfo(r, self._added.get(r), self._finished.get(r)) for r in ids]
-
-    def refresh(self) -> int:
-        return 0  # events are pushed in by `add`
-
-    def close(self) -> None:
-        pass
-
-
-def _step_info(s: StepSummary) -> StepInfo:
-    values = dict(zip(STEP_COLUMNS, s.row()))
-    values["req_ids"] = tuple(s.req_ids)
-    return StepInfo(**values)
+        super().__init__(name=url, meta={"live": url}, max_steps=max_steps)
 
 
 def parse_sse(lines: Iterable[str]) -> Iterator[dict[str, Any] | None]:

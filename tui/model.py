@@ -1,8 +1,8 @@
 """The TUI's window onto a trace: asks the source only for what is on screen, and caches it.
 
-Owns: `TraceSource` (the part of `workbench.trace.reader.Trace` the TUI uses; `tui.live.LiveTrace`
-implements it too), `TraceModel` (small LRU caches of step views and request outputs, the
-vocabulary, invalidation when a live trace grows) and `open_source`. Called from worker threads;
+Owns: `TraceModel` over a `workbench.trace.live.TraceView` (a trace file, or the live trace
+`tui.live.LiveTrace`): small LRU caches of step views and request outputs, the vocabulary,
+invalidation when a live trace grows; and `open_source`. Called from worker threads;
 never touches a widget. Does not own parsing files (the reader) or drawing (the widgets).
 """
 
@@ -10,36 +10,18 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from tui.stepview import RequestData, StepView
 from tui.vocab import Vocab, load_tokenizer, tokenizer_folder
-from workbench.trace.events import Event
+from workbench.trace.live import TraceView
 from workbench.trace.reader import RequestInfo, StepInfo, TraceError, open_trace
 
 _STEP_CACHE = 64
 _REQ_CACHE = 32
 
 
-class TraceSource(Protocol):
-    """What the TUI reads: a trace file (`Trace`) or a live stream (`LiveTrace`)."""
-
-    name: str
-    meta: dict[str, Any]
-
-    @property
-    def finished(self) -> bool: ...
-    def steps(self) -> list[StepInfo]: ...
-    def step(self, n: int) -> list[Event]: ...
-    def events(self, kind: str | Sequence[str] | None = None, req_id: str | None = None,
-               step_range: tuple[int, int] | None = None, limit: int | None = None) -> Iterator[Event]: ...
-    def requests(self) -> list[RequestInfo]: ...
-    def refresh(self) -> int: ...
-    def close(self) -> None: ...
-
-
-def open_source(path: str) -> TraceSource:
+def open_source(path: str) -> TraceView:
     """Open a trace file for the TUI; TraceError (a ValueError) with a one-line message if unreadable."""
     return open_trace(path)
 
@@ -47,7 +29,7 @@ def open_source(path: str) -> TraceSource:
 class TraceModel:
     """Cached, thread-safe access to one source for the screens and their workers."""
 
-    def __init__(self, source: TraceSource, vocab: Vocab | None = None) -> None:
+    def __init__(self, source: TraceView, vocab: Vocab | None = None) -> None:
         self.source = source
         self.vocab = vocab or Vocab()
         self._lock = threading.RLock()
@@ -147,4 +129,4 @@ def _remember(cache: OrderedDict, key: Any, value: Any, size: int) -> None:
         cache.popitem(last=False)
 
 
-__all__ = ["TraceModel", "TraceSource", "TraceError", "open_source"]
+__all__ = ["TraceModel", "TraceView", "TraceError", "open_source"]

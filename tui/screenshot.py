@@ -10,7 +10,7 @@ import asyncio
 import os
 
 from tui.app import WorkbenchApp
-from tui.model import TraceSource
+from workbench.trace.live import TraceView
 
 SIZE = (160, 48)
 TIMEOUT = 30.0
@@ -29,7 +29,7 @@ async def _shoot(app: WorkbenchApp, out: str, size: tuple[int, int]) -> None:
         app.save_screenshot(os.path.basename(out), os.path.dirname(os.path.abspath(out)))
 
 
-def screenshot(source: TraceSource, out: str, *, step: int | None = None, request: str | None = None,
+def screenshot(source: TraceView, out: str, *, step: int | None = None, request: str | None = None,
                tokenizer: str | None = None, show_times: bool = True, size: tuple[int, int] = SIZE) -> str:
     """Save the main screen of `source` at `step` as an SVG file `out`; returns `out`."""
     if not out.endswith(".svg"):

@@ -12,8 +12,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tui.model import TraceSource
 from workbench.trace.events import TokenChosen
+from workbench.trace.live import TraceView
 
 _ID_QUERY = re.compile(r"^(?:#|id:)(\d+)$")
 _WINDOW = 256  # steps read per query when searching backwards
@@ -80,7 +80,7 @@ def _spanned(tail: list[tuple[int, str]], start: int, end: int) -> tuple[int, ..
     return tuple(out)
 
 
-def _scan(source: TraceSource, query: Query, allowed: frozenset[str] | None, lo: int, hi: int,
+def _scan(source: TraceView, query: Query, allowed: frozenset[str] | None, lo: int, hi: int,
           cancelled: Callable[[], bool], first_only: bool) -> SearchHit | None:
     """The first (or last) match in steps lo..hi inclusive."""
     matcher, found = _Matcher(query, allowed), None
@@ -96,7 +96,7 @@ def _scan(source: TraceSource, query: Query, allowed: frozenset[str] | None, lo:
     return found
 
 
-def find(source: TraceSource, query: Query, start: int, last: int, forward: bool = True,
+def find(source: TraceView, query: Query, start: int, last: int, forward: bool = True,
          allowed: frozenset[str] | None = None, cancelled: Callable[[], bool] = lambda: False,
          ) -> SearchHit | None:
     """The next match after step `start` (or the previous one before it), wrapping around 0..last."""

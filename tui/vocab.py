@@ -24,10 +24,6 @@ class Vocab:
         self._lock = threading.Lock()
         self.tokenizer = tokenizer
 
-    @property
-    def has_tokenizer(self) -> bool:
-        return self.tokenizer is not None
-
     def learn(self, events: Iterable[Event]) -> None:
         """Remember the texts that token and draft events carry."""
         with self._lock:

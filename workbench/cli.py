@@ -123,7 +123,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from workbench.server.app import run_serve
+    from workbench.server.cli_args import run_serve
 
     return run_serve(args) or 0
 

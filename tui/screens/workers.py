@@ -26,10 +26,11 @@ from tui.messages import (
     TraceReady,
     VocabReady,
 )
-from tui.model import TraceModel, TraceSource, open_source
+from tui.model import TraceModel, open_source
 from tui.nav import Selection
 from tui.search import Query, find
 from workbench.trace.events import Event
+from workbench.trace.live import TraceView
 from workbench.trace.reader import StepInfo, TraceError
 
 FILE_POLL_SECONDS = 0.25
@@ -40,7 +41,7 @@ class Options:
     """How the TUI was started (from `tui.main` or a test)."""
 
     path: str | None = None
-    source: TraceSource | None = None
+    source: TraceView | None = None
     live_url: str | None = None
     tokenizer: str | None = None
     api_key: str | None = None
@@ -123,9 +124,9 @@ class ScreenWorkers(Screen):
             raise TypeError("follow_live needs a LiveTrace source")
 
         def on_events(events: list[Event]) -> None:
-            steps, reqs = live.add(events)
-            model.invalidate_tail(steps, reqs)
-            self.post_message(StepsChanged(live.steps(), steps, reqs))
+            touched = live.add(events)
+            model.invalidate_tail(touched.steps, touched.req_ids)
+            self.post_message(StepsChanged(live.steps(), touched.steps, touched.req_ids))
 
         def on_info(info: dict[str, Any]) -> None:
             if info.get("kind") == "server.hello" and info.get("model"):

@@ -293,24 +293,14 @@ class Engine:
 
     def _after_prefill(self, ctx: StepContext, prefill: list[PrefillChunk], fb: ForwardBatch,
                        logits: torch.Tensor) -> torch.Tensor:
-        """Store prompt logprobs from the extra logits rows; let n > 1 siblings copy a finished prompt's
-        KV. Returns the sampling rows of `logits`."""
+        """Store prompt logprobs from the extra logits rows; requests waiting for a prompt that finished
+        its prefill copy its KV. Returns the sampling rows of `logits`."""
         num_sampled = len(fb.logits_owner)
         store_prompt_logprobs([c.req for c in prefill], fb.prompt_logprob_rows, logits[num_sampled:])
         for chunk in prefill:
-            if not chunk.last_chunk:
-                continue
-            src = chunk.req
-            for sib in [r for r in self.scheduler.waiting if r.share_prefix_from is src]:
-                sibling = sib.share_len is None  # n > 1: the same prompt, its prompt logprobs too
-                slots = self.scheduler.fork_prefix(src, sib)
-                if slots is None:
-                    continue
-                if sibling:
-                    sib.prompt_logprobs, sib.prompt_ranks = list(src.prompt_logprobs), list(src.prompt_ranks)
-                    sib.prompt_top_logprobs = list(src.prompt_top_logprobs)
-                what = "prompt" if sibling else f"first {len(slots)} prompt tokens'"
-                ctx.obs.kv(ctx, sib.req_id, "alloc", slots.tolist(), f"copy of {src.req_id}'s {what} KV")
+            if chunk.last_chunk:
+                for fork in self.scheduler.fork_waiting(chunk.req):
+                    ctx.obs.forked(ctx, fork)
         return logits[:num_sampled]
 
     def _release(self, req: Req, reason: str) -> Released:

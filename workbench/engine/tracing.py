@@ -17,7 +17,7 @@ import math
 import platform
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -28,12 +28,17 @@ if TYPE_CHECKING:
     from workbench.engine.output.output import RequestOutput
     from workbench.engine.run.forward_batch import ForwardBatch
     from workbench.engine.sample.sampler import SamplerOutput, SamplingBatchInfo
-    from workbench.engine.sched.batch import Released, ScheduleBatch
+    from workbench.engine.sched.batch import Fork, Released, ScheduleBatch
     from workbench.engine.sched.memory import TokenToKVPoolAllocator
     from workbench.engine.sched.prefix_cache import CacheEntry
     from workbench.engine.sched.request import Req
     from workbench.engine.sched.scheduler import Scheduler
-    from workbench.engine.step import StepContext
+
+
+class StepContext(Protocol):
+    """What a seam reads of the step record (`workbench.engine.step.StepContext`): its number."""
+
+    step: int
 
 
 def make_tracer(level: str, sinks: list[Sink], meta: Callable[[], dict[str, Any]]) -> Tracer:
@@ -248,6 +253,13 @@ class TraceObserver:
         alloc = self.allocator
         self.emit(ev.KVEvent(step=ctx.step, req_id=req_id, t=_now(), op=op, slots=slots, reason=reason,
                              kv_used=alloc.used(), kv_total=alloc.size))
+
+    def forked(self, ctx: StepContext, fork: Fork) -> None:
+        """A waiting request got a copy of a prefilled prompt's KV."""
+        if not self.tracer.on:
+            return
+        what = "prompt" if fork.whole_prompt else f"first {len(fork.slots)} prompt tokens'"
+        self.kv(ctx, fork.req.req_id, "alloc", fork.slots.tolist(), f"copy of {fork.source.req_id}'s {what} KV")
 
     def evicted(self, ctx: StepContext, entries: list[CacheEntry], why: str) -> None:
         for entry in entries:

@@ -3,7 +3,8 @@
 Owns: `RequestView` (one request's tokens, sampling stages, spec drafts/verifies, detokenizer
 states and finish decisions, with "as of step N" look-ups), and the two sources the viewers read
 through one interface: `TraceSource` (a `.wbtrace` file, lazily: only the selected request's events
-are loaded) and `EventSource` (events in memory, growing while an engine runs). `as_source` turns
+are loaded) and `EventSource` (events in memory, growing while an engine runs, held by the shared trace
+model `workbench.trace.live.LiveEvents` that the TUI's live mode uses too). `as_source` turns
 a path, a `Trace`, a `MemorySink`, an event list or an engine into a source.
 
 Does not own: figures (figures.py), widgets (viewer.py, live.py), or the event schema
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -31,7 +31,7 @@ from workbench.trace.events import (
     SpecVerify,
     TokenChosen,
 )
-from workbench.trace.format import STEP_COLUMNS, StepSummary
+from workbench.trace.live import LiveEvents
 from workbench.trace.reader import StepInfo, Trace, open_trace
 from workbench.trace.recorder import MemorySink
 
@@ -192,54 +192,32 @@ class TraceSource:
 
 
 class EventSource:
-    """Events held in memory (a MemorySink's, or a LiveView's); `add` may be called from any thread."""
+    """Events held in memory (a MemorySink's, or a LiveView's) as the shared trace model
+    (`workbench.trace.live.LiveEvents`); `add` may be called from any thread."""
 
     def __init__(self, events: Iterable[Event] = (), name: str = "live") -> None:
         self.name = name
-        self._lock = threading.Lock()
-        self._events: dict[str, list[Event]] = {}
-        self._added: dict[str, RequestAdded] = {}
-        self._finished: dict[str, RequestFinished] = {}
-        self._steps: dict[int, StepSummary] = {}
-        self._count = 0
-        for event in events:
-            self.add(event)
+        self.live = LiveEvents(events, name=name)
 
     def add(self, event: Event) -> None:
-        with self._lock:
-            self._count += 1
-            summary = self._steps.setdefault(event.step, StepSummary(step=event.step))
-            summary.add(self._count, event.kind, event.t, event.payload())
-            if event.req_id is None:
-                return
-            self._events.setdefault(event.req_id, []).append(event)
-            if isinstance(event, RequestAdded):
-                self._added.setdefault(event.req_id, event)
-            elif isinstance(event, RequestFinished):
-                self._finished[event.req_id] = event
+        self.live.add((event,))
 
     @property
     def num_events(self) -> int:
-        return self._count
+        return self.live.num_events
 
     def steps(self) -> list[StepInfo]:
-        with self._lock:
-            summaries = [self._steps[s] for s in sorted(self._steps)]
-            return [StepInfo(**{c: getattr(s, c) for c in STEP_COLUMNS} | {"req_ids": tuple(s.req_ids)})
-                    for s in summaries]
+        return self.live.steps()
 
     def request_ids(self) -> list[str]:
-        with self._lock:
-            return list(self._events)
+        return self.live.request_ids()
 
     def request_label(self, req_id: str) -> str:
-        with self._lock:
-            return _label(req_id, self._added.get(req_id), self._finished.get(req_id))
+        info = self.live.request(req_id)
+        return _label(req_id, info.added, info.finished)
 
     def request(self, req_id: str) -> RequestView:
-        with self._lock:
-            events = list(self._events.get(req_id, ()))
-        return RequestView.from_events(req_id, events)
+        return RequestView.from_events(req_id, self.live.request_events(req_id))
 
 
 def as_source(obj: Any) -> TraceSource | EventSource:

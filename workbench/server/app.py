@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from workbench.engine.engine import Engine
 from workbench.server import routes_debug, routes_openai
 from workbench.server.engine_loop import EngineLoop
 from workbench.server.errors import APIError, install_error_handlers
@@ -73,7 +74,7 @@ class APIKeyMiddleware:
         await APIError(401, message, code="invalid_api_key").response()(scope, receive, send)
 
 
-def create_app(engine: Any, *, model_name: str | None = None, hub: EventHub | None = None,
+def create_app(engine: Engine, *, model_name: str | None = None, hub: EventHub | None = None,
                trace_dir: str | Path | None = None, trace_writer: Any = None, api_key: str | None = None,
                max_body_bytes: int = 4 << 20, default_max_tokens: int = 1024, close_engine: bool = False,
                stream_limits: StreamLimits | None = None) -> FastAPI:
@@ -128,9 +129,3 @@ def create_app(engine: Any, *, model_name: str | None = None, hub: EventHub | No
     wrap_app(app, state)  # X-Request-Id on every response; frame stamps, send timeout (stream_latency.py)
     return app
 
-
-def run_serve(args: Any) -> int:
-    """`workbench serve` (kept here for workbench.cli, which imports it from this module)."""
-    from workbench.server.cli_args import run_serve as _run
-
-    return _run(args)

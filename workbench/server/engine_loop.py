@@ -21,9 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from workbench.engine.engine import StepFailed
+from workbench.engine.engine import Engine, StepFailed
 from workbench.engine.output.output import RequestOutput, StepOutput, TokenLogprob
 from workbench.engine.sample.sampling_params import SamplingParams
+from workbench.engine.sched.request import Req
 from workbench.server.output_buffer import OutputBuffer, StreamLimits
 from workbench.trace.events import Stamp
 from workbench.trace.latency import Handoff
@@ -114,13 +115,13 @@ class RequestHandle:
 class EngineLoop:
     """Runs `engine.step()` on its own thread while there is work, and routes outputs to handles."""
 
-    def __init__(self, engine: Any, *, on_finished: Callable[[RequestOutput], None] | None = None,
+    def __init__(self, engine: Engine, *, on_finished: Callable[[RequestOutput], None] | None = None,
                  idle_wait: float = 0.1, limits: StreamLimits | None = None) -> None:
         self.engine = engine
         self.on_finished = on_finished
         self.idle_wait = idle_wait
         self.limits = limits or StreamLimits()
-        self.stats = EngineStats(kv_total=engine.memory.allocator.size)
+        self.stats = EngineStats(kv_total=engine.kv_total())
         self.accepting = True
         self.recent_aborts: deque[tuple[str, int]] = deque(maxlen=1024)  # (req_id, engine step when asked)
         self.failures = 0
@@ -290,24 +291,23 @@ class EngineLoop:
     def _fail_running(self, exc: Exception) -> list[StreamItem]:
         self.failures += 1
         log.error("engine step failed", exc_info=exc)
-        sched = self.engine.scheduler
         if isinstance(exc, StepFailed):  # the engine already ended that step's requests and freed their KV
             affected = exc.affected
             exc = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
         else:
-            affected = [r.req_id for r in sched.running] or [r.req_id for r in sched.waiting]
+            affected = self.engine.running_ids() or self.engine.waiting_ids()
         message = f"the engine failed while running this request ({type(exc).__name__})"
         for rid in affected:
             self.engine.abort(rid, "engine error")
         return [StreamItem(rid, None, error=message) for rid in affected]
 
     def _snapshot(self, step_time: float) -> EngineStats:
-        sched, alloc = self.engine.scheduler, self.engine.memory.allocator
-        return EngineStats(step=self.engine.step_no, running=len(sched.running), waiting=len(sched.waiting),
-                           kv_used=alloc.used(), kv_total=alloc.size, step_time=step_time)
+        engine = self.engine
+        return EngineStats(step=engine.step_no, running=len(engine.running_ids()), waiting=len(engine.waiting_ids()),
+                           kv_used=engine.kv_used(), kv_total=engine.kv_total(), step_time=step_time)
 
 
-def _step_logprobs(engine: Any, req: Any, ids: list[int]) -> list[TokenLogprob] | None:
+def _step_logprobs(engine: Engine, req: Req, ids: list[int]) -> list[TokenLogprob] | None:
     """Logprobs of the tokens `ids` this step appended to `req` (engine thread, right after step()).
 
     The per-token lists are read from their ends: a stop-string cut shortens `output_ids`, not them.
@@ -316,6 +316,6 @@ def _step_logprobs(engine: Any, req: Any, ids: list[int]) -> list[TokenLogprob] 
     if not (params.logprobs or params.top_logprobs) or n == 0 or len(req.output_logprobs) < n:
         return None
     lps, ranks, tops = req.output_logprobs[-n:], req.output_ranks[-n:], req.output_top_logprobs[-n:]
-    text = engine.outputs.token_text
+    text = engine.token_text
     return [TokenLogprob(t, text(t), lp, rk, [(i, text(i), v) for i, v in top[: params.top_logprobs]])
             for t, lp, rk, top in zip(ids, lps, ranks, tops)]

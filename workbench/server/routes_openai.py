@@ -54,7 +54,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 def _card(state: ServerState) -> ModelCard:
-    return ModelCard(id=state.model_name, created=state.created, max_model_len=state.engine.runner.max_context_len)
+    return ModelCard(id=state.model_name, created=state.created, max_model_len=state.engine.max_context_len())
 
 
 @router.get("/v1/models")

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from workbench.engine.engine import Engine
 from workbench.engine.output.output import RequestOutput
 from workbench.engine.sample.sampling_params import SamplingParams
 from workbench.server.engine_loop import EngineLoop, EngineUnavailable, RequestHandle
@@ -37,7 +38,7 @@ DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) up to here, so
 class ServerState:
     """What the routes share; one per app, on `app.state.workbench` (no module globals)."""
 
-    engine: Any
+    engine: Engine
     loop: EngineLoop
     hub: EventHub
     metrics: Metrics

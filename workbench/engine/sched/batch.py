@@ -2,7 +2,8 @@
 
 Owns: `PrefillChunk`, `ScheduleBatch` (prefill chunks, then decodes: the row order of the
 ForwardBatch), `CacheHit` (a prefix-cache copy made at admission), `Preempted` (a request recomputed
-later, with the slots it freed) and `Released` (what releasing a request did with its KV). Records
+later, with the slots it freed) and `Fork` (a waiting request given a copy of a prefilled prompt's KV) and `Released` (what releasing a
+request did with its KV). Records
 only: deciding them is the scheduler's (scheduler.py, prefill.py, decode.py, kv.py).
 """
 
@@ -41,6 +42,17 @@ class Preempted:
 
     req: Req
     slots: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Fork:
+    """A waiting request given a copy of a just-prefilled request's prompt KV (n > 1 siblings, or a
+    shared prompt start) instead of computing it."""
+
+    req: Req
+    slots: torch.Tensor  # its new slots holding the copy
+    source: Req
+    whole_prompt: bool  # an n > 1 sibling: the same prompt (its prompt logprobs copied too)
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,10 +76,5 @@ class Req:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def is_prefilled(self) -> bool:
-        """True once every fill token except the last sampled one has KV (the request decodes)."""
-        return self.kv_len >= self.seq_len - 1 and self.kv_len > 0 and len(self.output_ids) > 0
-
-    @property
     def finished(self) -> bool:
         return self.status is ReqStatus.FINISHED

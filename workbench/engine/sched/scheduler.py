@@ -12,10 +12,10 @@ in through the constructor.
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Iterator
 
 from workbench.engine.run.forward_batch import ForwardMode
-from workbench.engine.sched.batch import Released, ScheduleBatch
+from workbench.engine.sched.batch import Fork, Released, ScheduleBatch
 from workbench.engine.sched.decode import DecodePlanner
 from workbench.engine.sched.kv import RequestKV
 from workbench.engine.sched.memory import Memory
@@ -75,8 +75,9 @@ class Scheduler:
     def share_prompt_prefix(self, req: Req) -> None:
         self.sharing.share_prompt_prefix(req)
 
-    def fork_prefix(self, src: Req, dst: Req) -> torch.Tensor | None:
-        return self.sharing.fork_prefix(src, dst)
+    def fork_waiting(self, src: Req) -> Iterator[Fork]:
+        """`src` completed its prefill: the requests waiting to copy its prompt KV get it now."""
+        return self.sharing.fork_waiting(src)
 
     # --- one step --------------------------------------------------------------------------
 

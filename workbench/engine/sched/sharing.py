@@ -3,14 +3,17 @@
 Owns: `PrefixSharing`, which pairs a new request with one not yet prefilled that shares at least
 `MIN_SHARED_PREFIX` leading prompt tokens (it waits, then copies that KV instead of computing it),
 holds such a request back while its source prefills, and performs the copy (`fork_prefix`) when
-the source's prefill completes. Does not own: the prefix cache of finished requests
+the source's prefill completes (`fork_waiting`). Does not own: the prefix cache of finished requests
 (prefix_cache.py) or the copy itself (kv.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
+from workbench.engine.sched.batch import Fork
 from workbench.engine.sched.kv import RequestKV
 from workbench.engine.sched.memory import Memory
 from workbench.engine.sched.prefix_cache import PrefixCache, common_prefix_len
@@ -53,6 +56,19 @@ class PrefixSharing:
                 best, best_len = src, n
         if best is not None:
             req.share_prefix_from, req.share_len = best, best_len
+
+    def fork_waiting(self, src: Req) -> Iterator[Fork]:
+        """`src` finished its prefill: every waiting request that waited for it copies its KV now, one
+        at a time as the caller takes them (so each is reported before the next copy)."""
+        for sib in [r for r in self.queues.waiting if r.share_prefix_from is src]:
+            whole = sib.share_len is None  # n > 1: the same prompt, its prompt logprobs too
+            slots = self.fork_prefix(src, sib)
+            if slots is None:
+                continue
+            if whole:
+                sib.prompt_logprobs, sib.prompt_ranks = list(src.prompt_logprobs), list(src.prompt_ranks)
+                sib.prompt_top_logprobs = list(src.prompt_top_logprobs)
+            yield Fork(sib, slots, src, whole)
 
     def fork_prefix(self, src: Req, dst: Req) -> torch.Tensor | None:
         """Give waiting `dst` a copy of `src`'s prompt KV except the last prompt token (which `dst`

@@ -5,7 +5,7 @@ one request's verification (`verify_greedy`, `verify_sampled`) returning a `Veri
 `q` are what the engine's Sampler makes of the logits (every stage of the request, with the draft
 tokens before each position as `prefixes`); the recovered or bonus token is drawn through
 `Sampler.draw` with an explicit uniform. Does not own: running forwards, KV rollback or output
-processing (spec_worker.py).
+processing (worker.py).
 
 Rejection sampling after Leviathan et al. 2023 / Chen et al. 2023: draft token i is accepted iff
 `u_i < p_i(d_i) / q_i(d_i)`; on the first rejection the extra token is drawn from the normalised
