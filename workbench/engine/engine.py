@@ -206,6 +206,7 @@ class Engine:
     # --- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        """One pass of the pipeline; returns what each request got this step."""
         results = self._drain_inbox()
         if not self.scheduler.has_work():
             return results

@@ -34,8 +34,8 @@ def request_latency(source: Source, req_id: str | None) -> RequestLatency | None
     if isinstance(source, TraceSource):
         events = list(source.trace.events(kind=list(LATENCY_KINDS), req_id=req_id))
     elif isinstance(source, EventSource):
-        with source._lock:  # RequestView keeps no stamps; the source's own per-request list has them
-            events = [e for e in source._events.get(req_id, ()) if e.kind in LATENCY_KINDS]
+        # RequestView keeps no stamps; the source's own per-request list has them
+        events = [e for e in source.live.request_events(req_id) if e.kind in LATENCY_KINDS]
     return RequestLatency.from_events(req_id, events)
 
 

@@ -94,8 +94,8 @@ class OutputProcessor:
         done = len(req.output_ids)
         for j, tok in enumerate(tokens):
             n = done + j + 1
-            inputs = FinishInputs(
-                aborted=req.abort_reason, num_output_tokens=n, max_new_tokens=p.max_new_tokens,
+            inputs = FinishInputs(  # no abort: aborts end requests between steps
+                num_output_tokens=n, max_new_tokens=p.max_new_tokens,
                 min_new_tokens=p.min_new_tokens, seq_len=len(req.prompt_ids) + n, context_limit=self.context_limit,
                 last_token_id=tok, eos_token_ids=self.eos_token_ids, ignore_eos=p.ignore_eos, stop_token_ids=stop_ids)
             if decide_finish(inputs).finished:
