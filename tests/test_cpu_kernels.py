@@ -124,7 +124,7 @@ def _count_packed_calls(monkeypatch) -> list[int]:
 
 
 @pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
-@pytest.mark.parametrize("rows", [1, 7, 16, 33, 200])
+@pytest.mark.parametrize("rows", [1, 7, 16, 33, 100, 200])
 def test_packed_linears_give_exactly_what_f_linear_gives(rows, monkeypatch):
     # On any CPU: the output is F.linear's bit for bit (greedy parity with transformers relies on
     # it). The packed GEMM runs only at the row counts this CPU's check found identical.
@@ -138,8 +138,8 @@ def test_packed_linears_give_exactly_what_f_linear_gives(rows, monkeypatch):
         assert torch.equal(packed(x), plain(x))
     n = 2 * rows
     verdicts = {(k[0], k[1]): v.identical for k, v in checks.linear.items() if k[3] == n}
-    if n < cpu_kernels.PACKED_MIN_ROWS:
-        assert not verdicts and n not in calls  # below the floor nothing is packed, nothing checked
+    if not cpu_kernels.PACKED_MIN_ROWS <= n <= cpu_kernels.PACKED_MAX_ROWS:
+        assert not verdicts and n not in calls  # outside the packed range nothing is packed, nothing checked
     else:
         assert set(verdicts) == {(200, 96), (64, 200)}  # both shapes checked at exactly these rows
         # each shape's check computed once at n rows; the forward used the packed GEMM iff identical

@@ -16,7 +16,8 @@ Two kernels:
   `F.linear` redoes on every call; at 16 to 64 rows (a decode batch) that packing is a large share
   of the GEMM. The MKL inside torch's CPU wheels exports both; where it does not, nothing changes.
   Rows below `PACKED_MIN_ROWS` keep `F.linear` (MKL takes a GEMV-like path there, where packing buys
-  nothing).
+  nothing), and so do rows above `PACKED_MAX_ROWS` (a prefill chunk: the per-call packing is then a
+  small share of the GEMM, and each new row count would cost a check).
 
 Neither kernel is trusted blindly: fastpath.py checks each against the op it replaces on this CPU,
 on the shapes and row counts that actually run, and a shape that fails takes the torch op.
@@ -114,7 +115,7 @@ def load() -> ctypes.CDLL | None:
     return _attention.get()
 
 
-PACKED_MIN_ROWS = 16
+PACKED_MIN_ROWS, PACKED_MAX_ROWS = 16, 256
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
 def _load_mkl() -> ctypes.CDLL | None:
     try:
@@ -139,8 +140,8 @@ def mkl() -> ctypes.CDLL | None:
 
 
 class PackedLinear:
-    """The forward of one `nn.Linear` through its MKL-packed weight (CPU float32, `PACKED_MIN_ROWS` rows
-    or more, and only at row counts where `checks` found it bit-identical to `F.linear`)."""
+    """The forward of one `nn.Linear` through its MKL-packed weight (CPU float32, `PACKED_MIN_ROWS` to
+    `PACKED_MAX_ROWS` rows, and only at row counts where `checks` found it bit-identical to `F.linear`)."""
 
     def __init__(self, lib: ctypes.CDLL, module: torch.nn.Linear, checks: FastPathChecks = CHECKS) -> None:
         weight = module.weight.detach()
@@ -161,18 +162,20 @@ class PackedLinear:
         """`x2 [rows, in] -> [rows, out]` through the packed weight, unchecked (fastpath.py checks it)."""
         rows = x2.shape[0]
         x2 = x2.contiguous()
-        y = torch.empty((rows, self.out_features), dtype=torch.float32)
-        self.lib.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, rows, self.out_features, self.in_features,
-                                     x2.data_ptr(), self.in_features, self.packed.data_ptr(), self.in_features, 0.0,
-                                     y.data_ptr(), self.out_features)
         bias = self._module().bias
-        return y if bias is None else y + bias
+        # with a bias, C starts as the bias and the GEMM adds into it (beta = 1), as F.linear's addmm does
+        y = torch.empty((rows, self.out_features), dtype=torch.float32) if bias is None else \
+            bias.detach().expand(rows, self.out_features).contiguous()
+        self.lib.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, rows, self.out_features, self.in_features,
+                                     x2.data_ptr(), self.in_features, self.packed.data_ptr(), self.in_features,
+                                     0.0 if bias is None else 1.0, y.data_ptr(), self.out_features)
+        return y
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module = self._module()
         rows = x.numel() // self.in_features if x.shape[-1] == self.in_features else 0
-        if (rows < PACKED_MIN_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled()
-                or not self.checks.linear_ok(self, rows)):
+        if (not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
+                or torch.is_grad_enabled() or not self.checks.linear_ok(self, rows)):
             return torch.nn.functional.linear(x, module.weight, module.bias)  # what nn.Linear.forward does
         return self.compute(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
 
