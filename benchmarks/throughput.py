@@ -1,14 +1,24 @@
-"""Output tokens/s: this engine (tracing off) beside transformers `generate()` (static left-padded
-batch) and transformers `generate_batch()` (continuous batching), same model, prompts and machine,
-in one run. Also measures the engine's tracing overhead (summary, full) and trace bytes per token.
+"""Output tokens/s of every engine on the same prompts, in alternating rounds: this engine (tracing
+off, and at summary), transformers `generate()` (static left-padded batch), transformers
+`generate_batch()` (continuous batching), vLLM's CPU build eager and compiled, and llama.cpp; at
+batch 1 (requests one after another) and batch 32 (all at once), each with `ignore_eos` and with
+stopping at EOS. Beside the results: the batch-1 memory-bandwidth floor and the batched compute
+ceiling, measured in the same run (limits.py).
 
-    python benchmarks/throughput.py [--model smollm2] [--prompts 32] [--new 128] [--json out.json]
-    python benchmarks/throughput.py --eos   # requests stop at EOS: the mixed-length case
+    python benchmarks/throughput.py [--prompts 32] [--new 64] [--repeat 2] [--batch 1 32] [--stop both]
+    python benchmarks/throughput.py --peers none      # only this engine and transformers
+
+vLLM and llama.cpp run in their own environments (peers.py): WORKBENCH_VLLM_PYTHON /
+WORKBENCH_LLAMACPP_PYTHON, else `.venv-vllm` / `.venv-llamacpp` at the repository root (make
+peers). A peer that fails to start is reported as failed, with the reason. llama.cpp runs the
+GGUF file SmolLM2 ships in (Q4_1; the other engines run its float32 dequantization) and, having
+no batched multi-sequence API in llama-cpp-python, its requests one after another.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -38,12 +48,17 @@ def bench_engine(loaded, prompts, new: int, trace_level: str = "off", trace_path
     from workbench.engine.run import cpu_kernels as kernels
     from workbench.engine.sample.sampling_params import SamplingParams
 
+    engine_kwargs.setdefault("kv_tokens", 64 * 1024)  # 0.4 GiB for SmolLM2 instead of 1 GiB: a shared machine
     engine = Engine(loaded, trace=trace_path, trace_level=trace_level, **engine_kwargs)
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=not eos)
     if cpu_kernels:
-        return _bench_engine(engine, prompts, params)
-    with kernels.disabled(loaded.model):  # torch's gather + sdpa and F.linear, for comparison
-        return _bench_engine(engine, prompts, params)
+        result = _bench_engine(engine, prompts, params)
+    else:
+        with kernels.disabled(loaded.model):  # torch's gather + sdpa and F.linear, for comparison
+            result = _bench_engine(engine, prompts, params)
+    del engine
+    gc.collect()  # the engine's KV pool goes before the next runner allocates its own
+    return result
 
 
 def _bench_engine(engine, prompts, params) -> dict:
@@ -112,74 +127,146 @@ def bench_hf_continuous(folder, tok, prompts, new: int, device: str, dtype: torc
     return {"tokens": tokens, "seconds": secs, "tok_s": tokens / secs}
 
 
+ENGINE = "engine (trace off)"
+PEERS = ("vLLM CPU eager", "vLLM CPU compiled", "llama.cpp")
+
+
+def local_runs(loaded, prompts, new: int, eos: bool, batch: int, args, tmp: str) -> list[tuple[str, object]]:
+    """The in-process runners of one scenario; batch 1 runs the prompts one after another."""
+    def each(fn):
+        if batch > 1:
+            return fn(prompts)
+        parts = [fn([p]) for p in prompts]
+        tokens, secs = sum(r["tokens"] for r in parts), sum(r["seconds"] for r in parts)
+        return {"tokens": tokens, "seconds": secs, "tok_s": tokens / secs}
+
+    dtype = getattr(torch, loaded.dtype)
+    runs = [(ENGINE, lambda: each(lambda ps: bench_engine(loaded, ps, new, eos=eos)))]
+    if not args.skip_trace:
+        path = os.path.join(tmp, "summary.wbtrace")
+        runs.append(("engine (trace summary)", lambda: each(lambda ps: bench_engine(loaded, ps, new, "summary", path,
+                                                                                   eos=eos))))
+    if args.kernels_off:
+        runs.append(("engine (no CPU kernels)", lambda: each(lambda ps: bench_engine(loaded, ps, new, eos=eos,
+                                                                                    cpu_kernels=False))))
+    if not args.skip_hf:
+        runs.append(("transformers generate() static batch", lambda: each(
+            lambda ps: bench_hf_static(loaded.folder, loaded.tokenizer, ps, new, args.device, dtype, eos))))
+        runs.append(("transformers generate_batch() continuous", lambda: each(
+            lambda ps: bench_hf_continuous(loaded.folder, loaded.tokenizer, ps, new, args.device, dtype, eos))))
+    return runs
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=32, help="prompts of the batched scenarios")
+    ap.add_argument("--prompts-b1", type=int, default=4, help="prompts of the batch-1 scenarios (run one by one)")
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32], choices=[1, 32])
+    ap.add_argument("--stop", default="both", choices=["both", "ignore_eos", "eos"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--eos", action="store_true",
-                    help="stop each request at EOS (up to --new tokens) instead of ignore_eos; every runner counts "
-                         "the tokens it really produced, EOS included")
-    ap.add_argument("--skip-trace", action="store_true", help="only the untraced engine and the peers")
+    ap.add_argument("--skip-trace", action="store_true", help="no engine run at trace summary")
+    ap.add_argument("--kernels-off", action="store_true", help="also the engine without its CPU kernels")
+    ap.add_argument("--peers", nargs="+", default=list(PEERS), help=f"any of {PEERS}, or none")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--repeat", type=int, default=2, help="round-robin repeats; the best of each is reported")
+    ap.add_argument("--repeat", type=int, default=2, help="rounds; each runner runs once per round")
     args = ap.parse_args()
     from tqdm.auto import tqdm
 
+    from benchmarks import limits as limits_mod
+    from benchmarks.peers import make_peers
+    from workbench.engine.prompts import tokenize_prompt
     from workbench.models import load_model
 
     loaded = load_model(args.model, device=args.device)
-    prompts = chat_prompts(args.prompts)
-    results: dict[str, dict] = {}
-    runs = [("engine (trace off)", lambda: bench_engine(loaded, prompts, args.new, eos=args.eos)),
-            ("engine (trace off, no prefix sharing)",
-             lambda: bench_engine(loaded, prompts, args.new, eos=args.eos, prefix_sharing=False)),
-            ("engine (trace off, no sharing, no CPU kernels)",
-             lambda: bench_engine(loaded, prompts, args.new, eos=args.eos, prefix_sharing=False,
-                                  cpu_kernels=False))]
+    vocab = int(loaded.model.config.vocab_size)
+    wanted = [p for p in args.peers if p != "none"] if args.device == "cpu" else []
+    scenarios = [(b, eos) for b in args.batch for eos in {"both": (False, True), "ignore_eos": (False,),
+                                                          "eos": (True,)}[args.stop]]
+    limits = limits_mod.measure(loaded.model)
+    for line in limits.lines():
+        tqdm.write(line)
+    prompts_of = {b: chat_prompts(args.prompts if b > 1 else args.prompts_b1) for b in args.batch}
+    ids_of = {b: [tokenize_prompt(loaded.tokenizer, vocab, p) for p in ps] for b, ps in prompts_of.items()}
+    rounds: dict[tuple, dict[str, list[dict]]] = {}
+
+    def record(scenario: tuple, name: str, r: dict) -> None:
+        msg = f"FAILED: {r['error'][:300]}" if "error" in r else \
+            f"{r['tok_s']:8.1f} tok/s ({r['tokens']} tokens, {r['seconds']:.1f} s)"
+        tqdm.write(f"  batch {scenario[0]:2d}{' eos' if scenario[1] else '    '}  {name:42s} {msg}")
+        rounds.setdefault(scenario, {}).setdefault(name, []).append(r)
+
     with tempfile.TemporaryDirectory() as tmp:
-        for level in () if args.skip_trace else ("summary", "full"):
-            path = os.path.join(tmp, f"{level}.wbtrace")
-            runs.append((f"engine (trace {level})", lambda level=level, path=path: {
-                **bench_engine(loaded, prompts, args.new, level, path, eos=args.eos),
-                "trace_bytes": os.path.getsize(path)}))
-        if not args.skip_hf:
-            dtype = getattr(torch, loaded.dtype)
-            runs.append(("transformers generate() static batch",
-                         lambda: bench_hf_static(loaded.folder, loaded.tokenizer, prompts, args.new, args.device,
-                                                 dtype, args.eos)))
-            runs.append(("transformers generate_batch() continuous",
-                         lambda: bench_hf_continuous(loaded.folder, loaded.tokenizer, prompts, args.new, args.device,
-                                                     dtype, args.eos)))
-        # Round-robin repeats, best of each: on a shared machine a burst of load then hits every
-        # contender instead of whichever happened to run at that moment.
-        rounds: dict[str, list[float]] = {}
-        for name, fn in tqdm(runs * args.repeat, desc="benchmarks", unit="run"):
-            r = fn()
-            tqdm.write(f"{name:50s} {r['tok_s']:8.1f} tok/s ({r['seconds']:.1f} s)")
-            rounds.setdefault(name, []).append(r["tok_s"])
-            if name not in results or r["tok_s"] > results[name]["tok_s"]:
-                results[name] = r
-    for name, r in results.items():
-        r["rounds_tok_s"] = rounds[name]
-    base = results["engine (trace off)"]["tok_s"]
-    print(f"\n{args.prompts} chat prompts, greedy, {'up to ' if args.eos else ''}{args.new} new tokens"
-          f"{' (stop at EOS)' if args.eos else ''}, {args.model}, {args.device} {loaded.dtype}, "
-          f"best of {args.repeat}, load average {os.getloadavg()[0]:.1f}, "
-          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-    # The same-round ratio compares runs a minute apart, so a drift of the machine's speed between
-    # rounds cancels out; its median over rounds is the figure to quote on a noisy machine.
-    print(f"{'run':50s} {'tok/s':>8s} {'engine / this':>14s} {'same-round median':>18s}")
-    for name, r in results.items():
-        extra = f"  trace {r['trace_bytes'] / r['tokens']:.0f} B/token" if "trace_bytes" in r else ""
-        ratios = [a / b for a, b in zip(rounds["engine (trace off)"], rounds[name], strict=True)]
-        r["same_round_ratio_median"] = statistics.median(ratios)
-        print(f"{name:50s} {r['tok_s']:8.1f} {base / r['tok_s']:13.2f}x {statistics.median(ratios):17.2f}x"
-              f"  ({', '.join(f'{x:.2f}' for x in ratios)}){extra}")
+        for rnd in range(args.repeat):
+            tqdm.write(f"round {rnd + 1} of {args.repeat}")
+            for batch, eos in scenarios:
+                for name, fn in local_runs(loaded, prompts_of[batch], args.new, eos, batch, args, tmp):
+                    record((batch, eos), name, fn())
+                    gc.collect()
+            # One peer process at a time (each holds its model and a 2 GB KV cache), every scenario
+            # while it is loaded; its runs fall in the same round as the in-process runners'.
+            for peer in make_peers(Path(loaded.folder), wanted, torch.get_num_threads()):
+                peer.wait_ready()
+                tqdm.write(f"  {peer.name}: " + (f"FAILED to start: {peer.error}" if peer.error
+                                                 else f"loaded in {peer.load_s:.0f} s"))
+                try:
+                    for batch, eos in scenarios:
+                        record((batch, eos), peer.name, peer.run(ids_of[batch], args.new, eos, batch))
+                finally:
+                    peer.close()
+    report(args, loaded, limits, rounds)
+
+
+def report(args, loaded, limits, rounds: dict) -> None:
+    cpu = _cpu_model()
+    print(f"\n{args.model} {loaded.dtype} on {cpu}, {torch.get_num_threads()} threads, {args.repeat} rounds, "
+          f"load average {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d')}")
+    print("\n".join(limits.lines()))
+    out = {"args": vars(args), "cpu": cpu, "limits": {**{k: getattr(limits, k) for k in limits.__slots__},
+                                                      "floor_tok_s": limits.floor_tok_s,
+                                                      "ceiling_tok_s": limits.ceiling_tok_s}, "scenarios": []}
+    for (batch, eos), by_name in rounds.items():
+        n = args.prompts if batch > 1 else args.prompts_b1
+        print(f"\nbatch {batch}, {n} chat prompts, greedy, {'up to ' if eos else ''}{args.new} new tokens"
+              f"{' (stop at EOS)' if eos else ' (ignore_eos)'}")
+        print(f"| run | best tok/s | {ENGINE} / this, same-round median (each round) |")
+        print("|---|---:|---:|")
+        base = [r.get("tok_s") for r in by_name[ENGINE]]
+        scen = {"batch": batch, "eos": eos, "runs": {}}
+        for name, rs in by_name.items():
+            ok = [r["tok_s"] for r in rs if "error" not in r]
+            if not ok:
+                print(f"| {name} | FAILED: {rs[-1]['error'][:200]} | |")
+                scen["runs"][name] = {"error": rs[-1]["error"]}
+                continue
+            ratios = [a / r["tok_s"] for a, r in zip(base, rs, strict=True) if "error" not in r and a]
+            med = statistics.median(ratios) if ratios else float("nan")
+            print(f"| {name} | {max(ok):.1f} | {med:.2f}x ({', '.join(f'{x:.2f}' for x in ratios)}) |")
+            scen["runs"][name] = {"tok_s": ok, "tokens": [r["tokens"] for r in rs if "error" not in r],
+                                  "ratio_median": med}
+        if batch == 1:
+            best = max(r["tok_s"] for r in by_name[ENGINE] if "error" not in r)
+            print(f"engine at batch 1: {best / limits.floor_tok_s:.0%} of the bandwidth floor's "
+                  f"{limits.floor_tok_s:.1f} tok/s")
+        else:
+            best = max(r["tok_s"] for r in by_name[ENGINE] if "error" not in r)
+            print(f"engine batched: {best / limits.ceiling_tok_s:.0%} of the compute ceiling's "
+                  f"{limits.ceiling_tok_s:.0f} tok/s")
+        out["scenarios"].append(scen)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

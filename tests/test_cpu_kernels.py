@@ -4,6 +4,7 @@ cannot be built."""
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from workbench.engine.engine import Engine
 from workbench.engine.run import cpu_kernels
+from workbench.engine.run.fastpath import FastPathChecks
 from workbench.engine.sample.sampling_params import SamplingParams
 
 NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
@@ -106,16 +108,68 @@ def _linear_stack(seed: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(96, 200, bias=False), torch.nn.Linear(200, 64, bias=True)).eval()
 
 
-@pytest.mark.skipif(cpu_kernels.mkl() is None, reason="PACKED GEMM NOT CHECKED: this torch has no MKL packed sgemm")
-@pytest.mark.parametrize("rows", [1, 7, 16, 33, 200])
-def test_packed_linears_give_exactly_what_f_linear_gives(rows):
+NO_MKL = "PACKED GEMM NOT CHECKED: this torch has no MKL packed sgemm"
+
+
+def _count_packed_calls(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    compute = cpu_kernels.PackedLinear.compute
+
+    def counted(self, x2):
+        calls.append(x2.shape[0])
+        return compute(self, x2)
+
+    monkeypatch.setattr(cpu_kernels.PackedLinear, "compute", counted)
+    return calls
+
+
+@pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
+@pytest.mark.parametrize("rows", [1, 7, 16, 33, 100, 200])
+def test_packed_linears_give_exactly_what_f_linear_gives(rows, monkeypatch):
+    # On any CPU: the output is F.linear's bit for bit (greedy parity with transformers relies on
+    # it). The packed GEMM runs only at the row counts this CPU's check found identical.
+    calls = _count_packed_calls(monkeypatch)
+    checks = FastPathChecks()
     plain, packed = _linear_stack(0), _linear_stack(0)
-    assert cpu_kernels.pack_linears(packed) > 0
+    assert cpu_kernels.pack_linears(packed, checks=checks) > 0
     assert all(isinstance(m.forward, cpu_kernels.PackedLinear) for m in packed)
     x = torch.randn(2, rows, 96) * 4
     with torch.inference_mode():
-        assert torch.equal(packed(x), plain(x))  # bit for bit: greedy parity with transformers relies on it
+        assert torch.equal(packed(x), plain(x))
+    n = 2 * rows
+    verdicts = {(k[0], k[1]): v.identical for k, v in checks.linear.items() if k[3] == n}
+    if not cpu_kernels.PACKED_MIN_ROWS <= n <= cpu_kernels.PACKED_MAX_ROWS:
+        assert not verdicts and n not in calls  # outside the packed range nothing is packed, nothing checked
+    else:
+        assert set(verdicts) == {(200, 96), (64, 200)}  # both shapes checked at exactly these rows
+        # each shape's check computed once at n rows; the forward used the packed GEMM iff identical
+        assert calls.count(n) == len(verdicts) + sum(verdicts.values())
+    with torch.inference_mode():
         assert torch.equal(packed(x[:, ::2]), plain(x[:, ::2]))  # a strided input is made contiguous first
+
+
+@pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
+def test_a_packed_gemm_that_differs_from_f_linear_is_refused_and_f_linear_runs(monkeypatch):
+    # Force the failing verification: a packed GEMM that is off by one ulp in one element.
+    compute = cpu_kernels.PackedLinear.compute
+
+    def off_by_one_ulp(self, x2):
+        y = compute(self, x2)
+        y[0, 0] = torch.nextafter(y[0, 0], torch.tensor(float("inf")))
+        return y
+
+    monkeypatch.setattr(cpu_kernels.PackedLinear, "compute", off_by_one_ulp)
+    checks = FastPathChecks()
+    plain, packed = _linear_stack(4), _linear_stack(4)
+    assert cpu_kernels.pack_linears(packed, checks=checks) > 0
+    x = torch.randn(40, 96)
+    with torch.inference_mode():
+        assert torch.equal(packed(x), plain(x))  # the wrong kernel never reaches the output
+    assert checks.linear and not any(v.identical for v in checks.linear.values())
+    report = checks.report()["packed_linear"]
+    for shape in ("96->200", "200->64 +bias"):  # checked at load (16, 32 rows) and on first use (40)
+        assert report["shapes"][shape] == {"packed_rows": [], "refused_rows": [16, 32, 40]}
+    assert any("200->64 at 40 rows" in r and "F.linear is used" in r for r in report["refused"])
 
 
 @pytest.mark.skipif(cpu_kernels.mkl() is None, reason="PACKED GEMM NOT CHECKED: this torch has no MKL packed sgemm")
@@ -141,3 +195,63 @@ def test_packing_respects_its_memory_budget_and_runs_once():
     assert first > 0 and cpu_kernels.pack_linears(model) == first  # a second Engine on the same model
     assert [m.forward for m in model] == forwards
     assert cpu_kernels.pack_linears(_linear_stack(2).double()) == 0  # float64: not packed
+
+
+def _off_attention(shift: float, real=cpu_kernels._unchecked_attention):
+    def kernel(q, k_pool, v_pool, idx, lens, out, scale):
+        real(q, k_pool, v_pool, idx, lens, out, scale)
+        out.add_(shift)
+    return kernel
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+def test_an_attention_kernel_outside_sdpas_error_is_refused_and_the_torch_path_runs(monkeypatch, tiny):
+    # Force the failing verification: a kernel off by 1e-3 everywhere (far outside sdpa's own
+    # rounding error). The check refuses it for every row count and the engine attends with torch.
+    monkeypatch.setattr(cpu_kernels, "CHECKS", FastPathChecks())
+    monkeypatch.setattr(cpu_kernels, "_unchecked_attention", _off_attention(1e-3))
+    q, pool = torch.randn(3, 4, 8), torch.randn(10, 2, 8)
+    idx, lens = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]]), torch.tensor([3, 2, 1])
+    assert not cpu_kernels.decode_attention(q, pool, pool, idx, lens, torch.empty_like(q), 0.3)
+    assert not cpu_kernels.decode_attention(q[:1], pool, pool, idx[:1], lens[:1], torch.empty_like(q[:1]), 0.3)
+    verdict = cpu_kernels.CHECKS.attention[(4, 2, 8)]
+    assert not verdict.single_row and not verdict.multi_row
+    assert "exceeds" in cpu_kernels.CHECKS.report()["attention"]["4x2x8"]["multi_row"]
+    # The engine still computes what the torch path computes: the same tokens as with no kernels at all
+    prompts = ["The quick brown fox", [{"role": "user", "content": "Name three rivers."}]]
+    refused = _greedy(tiny, prompts, kernels=True)
+    with cpu_kernels.disabled(tiny.model):
+        without = _greedy(tiny, prompts, kernels=False)
+    assert refused == without
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+def test_the_attention_kernel_runs_for_several_rows_only_within_sdpas_error_and_one_row_only_if_identical(
+        monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "CHECKS", FastPathChecks())
+    cpu_kernels.check_attention(9, 3, 64)  # SmolLM2's layout, as ModelRunner checks it at load
+    v = cpu_kernels.CHECKS.attention[(9, 3, 64)]
+    assert v.multi_row == (v.kernel_error <= 4 * v.torch_error) and v.torch_error > 0
+    assert v.single_row == (v.single_row_max_diff == 0.0)
+    # The kernel's own rounding stays within sdpa's here (it is a correct float32 attention):
+    assert v.multi_row
+    monkeypatch.setenv("WORKBENCH_CPU_KERNELS", "exact")  # identity demanded everywhere
+    monkeypatch.setattr(cpu_kernels, "CHECKS", FastPathChecks())
+    cpu_kernels.check_attention(9, 3, 64)
+    exact = cpu_kernels.CHECKS.attention[(9, 3, 64)]
+    assert exact.multi_row == math.isfinite(exact.kernel_error)  # inf: some probe was not bit-identical
+    assert cpu_kernels.CHECKS.report()["policy"] == "exact"
+
+
+@pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
+def test_the_engine_reports_which_kernels_ran_and_why(tiny):
+    with Engine(tiny, trace_level="off") as engine:
+        engine.generate(["a b c"] * 20, SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
+        report = engine.runner.kernel_report()
+    assert report["decode_attention"] is cpu_kernels.available()
+    assert report["packed_linear_bytes"] == engine.config["cpu_kernels"]["packed_linear_bytes"] > 0
+    shapes = report["checks"]["packed_linear"]["shapes"]
+    hidden = tiny.model.config.hidden_size
+    assert f"{hidden}->{tiny.model.config.vocab_size}" in shapes  # lm_head checked too
+    for entry in shapes.values():  # 16 and 32 rows at load, 20 (the decode batch) on first use
+        assert set(entry["packed_rows"] + entry["refused_rows"]) >= {16, 20, 32}

@@ -15,8 +15,12 @@ Two kernels:
   out once at load for its GEMM kernel, and `cblas_sgemm_compute` then skips the packing that
   `F.linear` redoes on every call; at 16 to 64 rows (a decode batch) that packing is a large share
   of the GEMM. The MKL inside torch's CPU wheels exports both; where it does not, nothing changes.
-  Rows below `PACKED_MIN_ROWS` keep `F.linear` (MKL takes a different, GEMV-like path there), so
-  every result is the same as `F.linear`'s.
+  Rows below `PACKED_MIN_ROWS` keep `F.linear` (MKL takes a GEMV-like path there, where packing buys
+  nothing), and so do rows above `PACKED_MAX_ROWS` (a prefill chunk: the per-call packing is then a
+  small share of the GEMM, and each new row count would cost a check).
+
+Neither kernel is trusted blindly: fastpath.py checks each against the op it replaces on this CPU,
+on the shapes and row counts that actually run, and a shape that fails takes the torch op.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+
+from workbench.engine.run.fastpath import CHECKS, FastPathChecks
 
 SOURCE = Path(__file__).parent / "kernels" / "decode_attention.c"
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
@@ -109,7 +115,7 @@ def load() -> ctypes.CDLL | None:
     return _attention.get()
 
 
-PACKED_MIN_ROWS = 16
+PACKED_MIN_ROWS, PACKED_MAX_ROWS = 16, 256
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
 def _load_mkl() -> ctypes.CDLL | None:
     try:
@@ -134,14 +140,15 @@ def mkl() -> ctypes.CDLL | None:
 
 
 class PackedLinear:
-    """The forward of one `nn.Linear` through its MKL-packed weight (CPU float32, 16 rows or more)."""
+    """The forward of one `nn.Linear` through its MKL-packed weight (CPU float32, `PACKED_MIN_ROWS` to
+    `PACKED_MAX_ROWS` rows, and only at row counts where `checks` found it bit-identical to `F.linear`)."""
 
-    def __init__(self, lib: ctypes.CDLL, module: torch.nn.Linear) -> None:
+    def __init__(self, lib: ctypes.CDLL, module: torch.nn.Linear, checks: FastPathChecks = CHECKS) -> None:
         weight = module.weight.detach()
         self.out_features, self.in_features = weight.shape
         # a weak reference: the module holds this object as its forward, and a cycle would keep the
         # model (and the packed copy) alive after its Engine is dropped, until the cyclic GC runs
-        self.lib, self._module = lib, weakref.ref(module)
+        self.lib, self._module, self.checks = lib, weakref.ref(module), checks
         size = lib.cblas_sgemm_pack_get_size(_B_MATRIX, 64, self.out_features, self.in_features)
         self.packed = torch.empty(size, dtype=torch.uint8)
         lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 64, self.out_features, self.in_features, 1.0,
@@ -151,23 +158,33 @@ class PackedLinear:
     def module(self) -> torch.nn.Linear:
         return self._module()
 
+    def compute(self, x2: torch.Tensor) -> torch.Tensor:
+        """`x2 [rows, in] -> [rows, out]` through the packed weight, unchecked (fastpath.py checks it)."""
+        rows = x2.shape[0]
+        x2 = x2.contiguous()
+        bias = self._module().bias
+        # with a bias, C starts as the bias and the GEMM adds into it (beta = 1), as F.linear's addmm does
+        y = torch.empty((rows, self.out_features), dtype=torch.float32) if bias is None else \
+            bias.detach().expand(rows, self.out_features).contiguous()
+        self.lib.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, rows, self.out_features, self.in_features,
+                                     x2.data_ptr(), self.in_features, self.packed.data_ptr(), self.in_features,
+                                     0.0 if bias is None else 1.0, y.data_ptr(), self.out_features)
+        return y
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module = self._module()
         rows = x.numel() // self.in_features if x.shape[-1] == self.in_features else 0
-        if rows < PACKED_MIN_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
+        if (not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
+                or torch.is_grad_enabled() or not self.checks.linear_ok(self, rows)):
             return torch.nn.functional.linear(x, module.weight, module.bias)  # what nn.Linear.forward does
-        x2 = x.reshape(rows, self.in_features).contiguous()
-        y = torch.empty((*x.shape[:-1], self.out_features), dtype=torch.float32)
-        self.lib.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, rows, self.out_features, self.in_features,
-                                     x2.data_ptr(), self.in_features, self.packed.data_ptr(), self.in_features, 0.0,
-                                     y.data_ptr(), self.out_features)
-        return y if module.bias is None else y + module.bias
+        return self.compute(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
 
 
-def pack_linears(model: torch.nn.Module, budget_bytes: int | None = None) -> int:
+def pack_linears(model: torch.nn.Module, budget_bytes: int | None = None, checks: FastPathChecks = CHECKS) -> int:
     """Route every CPU float32 `nn.Linear` of `model` through a packed weight (once per model).
     Returns the bytes the packed copies take, 0 when nothing was packed: no MKL, another device or
-    dtype, or more than `budget_bytes` (default: a quarter of the memory available now)."""
+    dtype, or more than `budget_bytes` (default: a quarter of the memory available now). The packed
+    layers answer through `checks`, which verifies them at the common decode batch sizes now."""
     if getattr(model, "_workbench_packed_bytes", None) is not None:
         return model._workbench_packed_bytes
     lib = mkl()
@@ -181,7 +198,8 @@ def pack_linears(model: torch.nn.Module, budget_bytes: int | None = None) -> int
     if need > budget_bytes:
         return 0
     for m in linears:
-        m.forward = PackedLinear(lib, m)
+        m.forward = PackedLinear(lib, m, checks)
+    checks.verify_model([m.forward for m in linears], min_rows=PACKED_MIN_ROWS)  # the common decode sizes now
     model._workbench_packed_bytes = need
     return need
 
@@ -226,6 +244,13 @@ def available() -> bool:
     return load() is not None
 
 
+def check_attention(heads: int, kv_heads: int, head_dim: int) -> None:
+    """Verify the decode-attention kernel for this head layout now (load time) instead of at the
+    first decode step; the verdict lands in `fastpath.CHECKS`."""
+    if load() is not None:
+        CHECKS.attention_ok(2, heads, kv_heads, head_dim, _unchecked_attention)
+
+
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_idx: torch.Tensor,
                      lens: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
     """Attend `q [B, H, D]` over each row's first `lens[b]` KV slots `kv_idx[b]` of the pool
@@ -245,6 +270,17 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if (h % kvh or out.shape != q.shape or k_pool.shape[2] != d or v_pool.shape != k_pool.shape
             or kv_idx.shape[0] != b or lens.shape[0] != b):
         return False
+    if not CHECKS.attention_ok(b, h, kvh, d, _unchecked_attention):
+        return False  # not verified for this layout on this CPU (fastpath.py): the torch path
+    _unchecked_attention(q, k_pool, v_pool, kv_idx, lens, out, scale)
+    return True
+
+
+def _unchecked_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_idx: torch.Tensor,
+                         lens: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+    lib = load()
+    b, h, d = q.shape
+    kvh = k_pool.shape[1]
     rc = lib.wb_decode_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), kv_idx.data_ptr(),
                                  kv_idx.stride(0), lens.data_ptr(), out.data_ptr(), b, h, kvh, d, scale,
                                  torch.get_num_threads(), k_pool.shape[0])
@@ -252,4 +288,3 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         raise IndexError("decode attention: a KV slot index or a row length is outside the pool / slot table")
     if rc != 0:
         raise MemoryError("decode attention kernel: out of memory for its score buffers")
-    return True

@@ -98,7 +98,8 @@ def build_forward_batch(mode: ForwardMode, rows: list[RowSpec], memory: Memory, 
         first_decode -= 1
     decode_start, start = total, 0
     for b, (row, n) in enumerate(zip(rows, lengths, strict=True)):
-        table[row.req_pool_idx, row.prefix_len:row.prefix_len + n] = out_cache_loc[start:start + n].to(table.device)
+        if b < first_decode:  # decode rows' slots are written below, in one indexed copy
+            table[row.req_pool_idx, row.prefix_len:row.prefix_len + n] = out_cache_loc[start:start + n].to(table.device)
         input_ids.extend(row.input_ids)
         positions.extend(range(row.prefix_len, row.prefix_len + n))
         for j in range(n - row.sample_rows, n):
@@ -114,7 +115,8 @@ def build_forward_batch(mode: ForwardMode, rows: list[RowSpec], memory: Memory, 
             extend_rows.append((start, n, row.prefix_len, kv_idx))
         start += n
     seq_lens = [r.prefix_len + n for r, n in zip(rows, lengths, strict=True)]
-    attn = _decode_plan(rows[first_decode:], seq_lens[first_decode:], table, decode_start, extend_rows)
+    attn = _decode_plan(rows[first_decode:], seq_lens[first_decode:], table, decode_start, extend_rows,
+                        out_cache_loc[decode_start:])
     as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
     return ForwardBatch(
         forward_mode=mode, batch_size=len(rows), input_ids=as_t(input_ids),
@@ -127,12 +129,15 @@ def build_forward_batch(mode: ForwardMode, rows: list[RowSpec], memory: Memory, 
 
 
 def _decode_plan(rows: list[RowSpec], seq_lens: list[int], table: torch.Tensor, decode_start: int,
-                 extend_rows: list) -> AttentionMeta:
+                 extend_rows: list, new_slots: torch.Tensor) -> AttentionMeta:
+    """The decode block's attention plan; also records each decode row's new KV slot in
+    `req_to_token` (one indexed write for the block instead of one per row)."""
     if not rows:
         return AttentionMeta(extend_rows, decode_start, None, None, None)
     max_len = max(seq_lens)
     pool_idx = torch.tensor([r.req_pool_idx for r in rows], dtype=torch.int64, device=table.device)
     lens = torch.tensor(seq_lens, dtype=torch.int64, device=table.device)
+    table[pool_idx, lens - 1] = new_slots.to(table.device)  # position prefix_len = seq_len - 1
     valid = torch.arange(max_len, device=table.device)[None, :] < lens[:, None]  # [B, L]
     kv_idx = table[pool_idx, :max_len] * valid  # padded positions read slot 0
     return AttentionMeta(extend_rows, decode_start, kv_idx, valid[:, None, None, :], lens)

@@ -3,15 +3,18 @@
 Owns: switching the HF model to the "workbench" attention function, the packed forward call
 (`input_ids [1, N]`, per-token `position_ids`, `logits_to_keep` for the rows that need logits) and
 early-exit forwards for self-drafting, and on CPU float32 routing the model's `nn.Linear` layers
-through MKL-packed weights (`cpu_kernels.pack_linears`; the modules and weights are unchanged).
+through MKL-packed weights (`cpu_kernels.pack_linears`; the modules and weights are unchanged),
+with the load-time checks that decide where those kernels may run (fastpath.py, `kernel_report`).
 Does not own: KV allocation (forward_batch.py) or sampling.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from workbench.engine.run import attention, cpu_kernels
+from workbench.engine.run import attention, cpu_kernels, fastpath
 from workbench.engine.run.forward_batch import ForwardBatch
 from workbench.models.loader import LoadedModel
 
@@ -33,6 +36,16 @@ class ModelRunner:
         self.max_context_len = int(getattr(self.config, "max_position_embeddings", 4096))
         # CPU float32: nn.Linear through MKL-packed weights, same results as F.linear (cpu_kernels.py)
         self.packed_bytes = cpu_kernels.pack_linears(self.model) if self.device == "cpu" else 0
+        self.cpu_fp32 = self.device == "cpu" and self.dtype == torch.float32
+        if self.cpu_fp32:
+            heads = int(self.config.num_attention_heads)
+            cpu_kernels.check_attention(heads, self.kv_heads, self.head_dim)
+
+    def kernel_report(self) -> dict[str, Any]:
+        """Which native paths may run and why, for the engine config / trace meta. The first two keys
+        are the ones older readers know; "checks" is fastpath.py's verdicts on this CPU so far."""
+        return {"decode_attention": self.cpu_fp32 and cpu_kernels.available(),
+                "packed_linear_bytes": self.packed_bytes, "checks": fastpath.CHECKS.report()}
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

@@ -1,0 +1,156 @@
+"""Where one decode step's time goes, at batch 1, 8 and 32: the model's GEMMs, attention, the rest
+of the model's ops, the sampler, batch building, output processing (detokenizer, finish checks),
+tracing, and the Python around them.
+
+    python benchmarks/step_profile.py [--model smollm2] [--batches 1 8 32] [--steps 24] [--trace off]
+
+Each batch size starts that many chat requests (greedy, ignore_eos), runs until every request is
+decoding, then times `--steps` decode steps with timers wrapped around the pipeline's functions.
+The timers cost about 1 us per call (~250 calls per step). "python" is the step's wall time minus
+every timed part: the engine's own loop, bookkeeping and the calls between stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PARTS = ("gemm", "attention", "model_other", "sampler", "batch_build", "sampling_info", "output", "tracing")
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.acc: dict[str, float] = defaultdict(float)
+        self.depth: dict[str, int] = defaultdict(int)
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.depth[name]:  # nested (a timed function calling itself): count once
+                return fn(*args, **kwargs)
+            self.depth[name] += 1
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.acc[name] += time.perf_counter() - t
+                self.depth[name] -= 1
+        return timed
+
+
+@contextlib.contextmanager
+def patched(obj: Any, attr: str, new: Any) -> Iterator[None]:
+    old = getattr(obj, attr)
+    setattr(obj, attr, new)
+    try:
+        yield
+    finally:
+        setattr(obj, attr, old)
+
+
+def instrument(engine, timers: Timers) -> contextlib.ExitStack:
+    """Wrap the pipeline's functions in timers (undone when the returned stack closes)."""
+    from transformers import AttentionInterface
+
+    import workbench.engine.engine as engine_mod
+    from workbench.engine import tracing
+    from workbench.engine.run import attention, cpu_kernels
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(patched(engine_mod, "build_forward_batch",
+                                timers.wrap("batch_build", engine_mod.build_forward_batch)))
+    info_cls = engine_mod.SamplingBatchInfo
+    stack.enter_context(patched(engine_mod, "SamplingBatchInfo", type("TimedInfo", (), {
+        "build": staticmethod(timers.wrap("sampling_info", info_cls.build))})))
+    stack.enter_context(patched(engine.runner, "forward", timers.wrap("forward", engine.runner.forward)))
+    stack.enter_context(patched(engine, "sampler", timers.wrap("sampler", engine.sampler)))
+    stack.enter_context(patched(engine.outputs, "append_tokens", timers.wrap("output", engine.outputs.append_tokens)))
+    stack.enter_context(patched(engine.outputs, "process_token", timers.wrap("output", engine.outputs.process_token)))
+    stack.enter_context(patched(engine.scheduler, "schedule", timers.wrap("schedule", engine.scheduler.schedule)))
+    stack.enter_context(patched(cpu_kernels.PackedLinear, "__call__",
+                                timers.wrap("gemm", cpu_kernels.PackedLinear.__call__)))
+    timed_attention = timers.wrap("attention", attention.workbench_attention)
+    AttentionInterface.register(attention.ATTN_NAME, timed_attention)
+    stack.callback(AttentionInterface.register, attention.ATTN_NAME, attention.workbench_attention)
+    for name in dir(tracing):
+        fn = getattr(tracing, name)
+        if callable(fn) and (name.endswith("_event") or name.startswith("emit_")):
+            stack.enter_context(patched(tracing, name, timers.wrap("tracing", fn)))
+    stack.enter_context(patched(engine.tracer, "emit", timers.wrap("tracing", engine.tracer.emit)))
+    return stack
+
+
+def profile_batch(loaded, batch: int, steps: int, trace_level: str, new: int = 100) -> dict[str, float]:
+    from benchmarks.throughput import chat_prompts
+    from workbench.engine.engine import Engine
+    from workbench.engine.sample.sampling_params import SamplingParams
+
+    # a KV pool sized for the run, not the default 1 GiB: the machine is shared
+    engine = Engine(loaded, trace_level=trace_level, trace=None, max_running=max(batch, 1), kv_tokens=batch * 600)
+    params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
+    for p in chat_prompts(batch):
+        engine.add_request(p, params)
+    while len(engine.scheduler.running) < batch or any(r.kv_len < len(r.prompt_ids) for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):  # warm: every request decoding, first-use kernel checks done
+        engine.step()
+    timers = Timers()
+    walls = []
+    with instrument(engine, timers):
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t)
+    engine.close()
+    del engine
+    gc.collect()
+    acc = {k: v / steps * 1000 for k, v in timers.acc.items()}  # ms per step
+    forward = acc.pop("forward", 0.0)
+    acc["model_other"] = forward - acc.get("gemm", 0.0) - acc.get("attention", 0.0)
+    acc["schedule"] = acc.get("schedule", 0.0)
+    step = statistics.median(walls) * 1000
+    mean = sum(walls) / len(walls) * 1000
+    acc["python"] = mean - sum(acc.values())
+    acc["step_median"], acc["step_mean"] = step, mean
+    return acc
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--trace", default="off", choices=["off", "summary"])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = ap.parse_args()
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from workbench.models import load_model
+
+    loaded = load_model(args.model, device="cpu")
+    cols = [*PARTS, "schedule", "python", "step_mean", "step_median"]
+    rows = {}
+    for b in args.batches:
+        print(f"batch {b}: profiling {args.steps} decode steps (trace {args.trace})...", file=sys.stderr, flush=True)
+        rows[b] = profile_batch(loaded, b, args.steps, args.trace)
+    print(f"\nms per decode step, {args.model}, trace {args.trace}, {torch.get_num_threads()} threads\n")
+    print("| part | " + " | ".join(f"batch {b}" for b in rows) + " |")
+    print("|---|" + "---:|" * len(rows))
+    for c in cols:
+        print(f"| {c} | " + " | ".join(f"{rows[b].get(c, 0.0):.2f}" for b in rows) + " |")
+
+
+if __name__ == "__main__":
+    main()

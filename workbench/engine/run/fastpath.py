@@ -1,0 +1,207 @@
+"""The fast paths prove themselves on the CPU they run on: every native kernel the engine uses in
+place of the model's own op is checked against that op, on this machine, before its result is used.
+
+Owns: the verdicts (cached per process, keyed by what the kernel's dispatch depends on) and the
+report the engine config and traces carry (`report()`). Does not own the kernels (cpu_kernels.py).
+
+- **Packed GEMM** (`cblas_sgemm_compute` instead of `F.linear`): bit identity is checked per
+  `(out_features, in_features, bias, rows, threads)`, on the first call with that row count, using the
+  module's own packed weight and a seeded probe input. MKL chooses its kernel by the shape, the row
+  count and the thread count, so nothing is inferred from one row count to another: every row count
+  the engine runs (decode batch sizes, prefill chunks, logits rows) is verified the first time it
+  occurs, and the packed result is used only for the row counts that came out identical. Where they
+  differ, that call and every later one with those rows take `F.linear`. `verify_model()` checks
+  the common decode batch sizes at load time so the report says what was decided before the first
+  request. The verdict is per shape, not per weight: identity is a property of the order of the
+  operations, which MKL fixes by shape (a probe input of random values exposes any other order).
+- **Paged decode attention** (kernels/decode_attention.c instead of gather + masked
+  `scaled_dot_product_attention`): at one decode row the torch path computes exactly what
+  transformers computes (no padding), so the kernel is used there only if it is bit-identical to it
+  (on the x86 CPUs tried it is not: its sums run in another order). At several rows the torch path's
+  own bits depend on the other rows of the batch (its padding changes sdpa's reduction order), so
+  there is no single result to be identical to; the kernel is used when its error against a float64
+  reference is within `ATTENTION_ERROR_FACTOR` times sdpa's own error on the same inputs, and the
+  report says "bounded", not "identical". `WORKBENCH_CPU_KERNELS=exact` demands identity there too.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ENV_SWITCH = "WORKBENCH_CPU_KERNELS"  # "0": no native kernels; "exact": bit identity everywhere
+ATTENTION_ERROR_FACTOR = 4.0
+LOAD_TIME_ROWS = (16, 32)  # decode batch sizes checked before the first request (the rest on first use)
+
+
+def exact_only() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") == "exact"
+
+
+@dataclass(slots=True)
+class LinearVerdict:
+    """Packed GEMM vs `F.linear` for one weight shape at one row count."""
+
+    identical: bool
+    max_abs_diff: float
+
+
+@dataclass(slots=True)
+class AttentionVerdict:
+    """The decode-attention kernel vs the torch path for one head layout."""
+
+    single_row: bool  # use the kernel when one decode row runs
+    multi_row: bool  # use it for several rows
+    single_row_max_diff: float  # kernel vs torch at one row (0.0 = identical)
+    kernel_error: float  # max |kernel - float64 reference| over the multi-row probes
+    torch_error: float  # max |sdpa - float64 reference| over the same probes
+    seconds: float
+
+
+@dataclass(slots=True)
+class FastPathChecks:
+    """The per-process verdicts. `compute` is how a packed layer computes (injectable, so a test can
+    make it wrong and see it refused)."""
+
+    linear: dict[tuple[int, int, bool, int, int], LinearVerdict] = field(default_factory=dict)
+    attention: dict[tuple[int, int, int], AttentionVerdict] = field(default_factory=dict)
+    load_seconds: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # --- packed GEMM --------------------------------------------------------------------------
+
+    def linear_ok(self, packed: Any, rows: int) -> bool:
+        """May `packed` (a cpu_kernels.PackedLinear) compute `rows` rows? Verified on first ask."""
+        module = packed.module
+        key = (packed.out_features, packed.in_features, module.bias is not None, rows, torch.get_num_threads())
+        verdict = self.linear.get(key)
+        if verdict is None:
+            verdict = self._verify_linear(packed, module, rows)
+            with self.lock:
+                self.linear[key] = verdict
+        return verdict.identical
+
+    @staticmethod
+    def _verify_linear(packed: Any, module: torch.nn.Linear, rows: int) -> LinearVerdict:
+        gen = torch.Generator().manual_seed(rows)
+        # activations of both signs and a spread of magnitudes, like a hidden state
+        x = torch.randn(rows, packed.in_features, generator=gen) * torch.rand(rows, 1, generator=gen).mul(8)
+        with torch.inference_mode():
+            want = F.linear(x, module.weight, module.bias)
+            got = packed.compute(x)
+        if torch.equal(got, want):
+            return LinearVerdict(True, 0.0)
+        return LinearVerdict(False, float((got - want).abs().max()))
+
+    def verify_model(self, packed_layers: list[Any], rows: tuple[int, ...] = LOAD_TIME_ROWS,
+                     min_rows: int = 1) -> None:
+        """Check each distinct packed shape at the decode batch sizes `rows` now (load time)."""
+        start = time.perf_counter()
+        seen: set[tuple[int, int, bool]] = set()
+        for p in packed_layers:
+            shape = (p.out_features, p.in_features, p.module.bias is not None)
+            if shape in seen:
+                continue
+            seen.add(shape)
+            for r in rows:
+                if r >= min_rows:
+                    self.linear_ok(p, r)
+        self.load_seconds += time.perf_counter() - start
+
+    # --- decode attention ---------------------------------------------------------------------
+
+    def attention_ok(self, rows: int, heads: int, kv_heads: int, head_dim: int,
+                     kernel: Callable[..., None]) -> bool:
+        """May the kernel attend `rows` decode rows of this head layout? Verified on first ask.
+        `kernel(q, k_pool, v_pool, idx, lens, out, scale)` runs the native kernel unchecked."""
+        key = (heads, kv_heads, head_dim)
+        verdict = self.attention.get(key)
+        if verdict is None:
+            verdict = _verify_attention(heads, kv_heads, head_dim, kernel)
+            with self.lock:
+                self.attention[key] = verdict
+        return verdict.single_row if rows == 1 else verdict.multi_row
+
+    # --- what ran, for the engine config and the trace ----------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        by_shape: dict[str, dict[str, list[int]]] = {}
+        reasons: list[str] = []
+        for (n, k, bias, rows, threads), v in sorted(self.linear.items()):
+            entry = by_shape.setdefault(f"{k}->{n}{' +bias' if bias else ''}", {"packed_rows": [], "refused_rows": []})
+            entry["packed_rows" if v.identical else "refused_rows"].append(rows)
+            if not v.identical:
+                reasons.append(f"{k}->{n} at {rows} rows ({threads} threads): packed differs from F.linear "
+                               f"by up to {v.max_abs_diff:.3g}; F.linear is used")
+        attention = {}
+        for (h, kvh, d), v in self.attention.items():
+            attention[f"{h}x{kvh}x{d}"] = {
+                "single_row": "kernel (bit-identical to the torch path)" if v.single_row else
+                f"torch: the kernel differs from it by up to {v.single_row_max_diff:.3g} at one row, "
+                "where the torch path is exactly transformers' attention",
+                "multi_row": (f"kernel: within {ATTENTION_ERROR_FACTOR:g}x sdpa's own error (kernel "
+                              f"{v.kernel_error:.3g}, sdpa {v.torch_error:.3g} vs float64); sdpa's bits "
+                              "here depend on the batch's padding, so no result to be identical to")
+                if v.multi_row else
+                ("torch: WORKBENCH_CPU_KERNELS=exact and the kernel is not bit-identical" if exact_only() else
+                 f"torch: kernel error {v.kernel_error:.3g} exceeds {ATTENTION_ERROR_FACTOR:g}x sdpa's "
+                 f"{v.torch_error:.3g}"),
+                "check_seconds": round(v.seconds, 3)}
+        return {"policy": "exact" if exact_only() else "packed GEMM only where bit-identical to F.linear "
+                "(per shape and row count, checked on this CPU); decode attention as the report says",
+                "packed_linear": {"shapes": by_shape, "refused": reasons,
+                                  "unchecked_rows": "verified on first use, then cached for the process",
+                                  "load_check_seconds": round(self.load_seconds, 3)},
+                "attention": attention}
+
+
+def _torch_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, idx: torch.Tensor,
+                  lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """What attention.py's torch path computes for decode rows: gather, masked sdpa. [B, H, D]"""
+    b, length = idx.shape
+    shape = (b, length, *k_pool.shape[1:])
+    k = k_pool.index_select(0, idx.reshape(-1)).view(shape).transpose(1, 2)
+    v = v_pool.index_select(0, idx.reshape(-1)).view(shape).transpose(1, 2)
+    mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :]
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)[:, :, 0]
+
+
+def _verify_attention(heads: int, kv_heads: int, head_dim: int, kernel: Callable[..., None]) -> AttentionVerdict:
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(heads * 1000 + kv_heads * 10 + head_dim)
+    scale = head_dim ** -0.5
+    single_diff, kernel_err, torch_err = 0.0, 0.0, 0.0
+    # one row at a few lengths, then padded batches as the engine builds them (mixed lengths)
+    cases = [torch.tensor([n]) for n in (1, 7, 130)] + [torch.tensor([1, 40, 17, 200, 3, 99, 64, 128])]
+    with torch.inference_mode():
+        for lens in cases:
+            b, length = len(lens), int(lens.max())
+            k_pool = torch.randn(b * length + 1, kv_heads, head_dim, generator=gen)
+            v_pool = torch.randn(b * length + 1, kv_heads, head_dim, generator=gen)
+            idx = (torch.randperm(b * length, generator=gen) + 1).view(b, length)
+            idx = idx * (torch.arange(length)[None, :] < lens[:, None])  # padded positions read slot 0
+            q = torch.randn(b, heads, head_dim, generator=gen) * 3  # peaked softmax rows too
+            out = torch.empty_like(q)
+            kernel(q, k_pool, v_pool, idx, lens, out, scale)
+            ref = _torch_decode(q, k_pool, v_pool, idx, lens, scale)
+            if b == 1:
+                single_diff = max(single_diff, float((out - ref).abs().max()))
+                continue
+            exact = _torch_decode(q.double(), k_pool.double(), v_pool.double(), idx, lens, scale)
+            kernel_err = max(kernel_err, float((out.double() - exact).abs().max()))
+            torch_err = max(torch_err, float((ref.double() - exact).abs().max()))
+            if exact_only() and not torch.equal(out, ref):
+                kernel_err = max(kernel_err, float("inf"))
+    multi = kernel_err <= ATTENTION_ERROR_FACTOR * torch_err
+    return AttentionVerdict(single_diff == 0.0, multi, single_diff, kernel_err, torch_err,
+                            time.perf_counter() - start)
+
+
+CHECKS = FastPathChecks()  # this process's verdicts (the default every packed layer and kernel call uses)
