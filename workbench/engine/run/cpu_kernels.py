@@ -97,7 +97,7 @@ def _load_attention() -> ctypes.CDLL | None:
     fn = lib.wb_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-        [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
+        [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     return lib
 
 
@@ -227,9 +227,10 @@ def available() -> bool:
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_idx: torch.Tensor,
-                     lens: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
+                     lens: torch.Tensor, out: torch.Tensor, scale: float, window: int | None = None) -> bool:
     """Attend `q [B, H, D]` over each row's first `lens[b]` KV slots `kv_idx[b]` of the pool
-    (`[slots, KVH, D]`), writing `out [B, H, D]`. False (nothing written) where the kernel does not
+    (`[slots, KVH, D]`), writing `out [B, H, D]`; with a sliding `window`, over only the last
+    `min(lens[b], window)` of them (the query is at position lens[b]-1). False (nothing written) where the kernel does not
     apply: not built, not CPU float32, or a layout it does not read."""
     if q.device.type != "cpu" or q.dtype != torch.float32 or k_pool.dtype != torch.float32:
         return False
@@ -247,7 +248,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         return False
     rc = lib.wb_decode_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), kv_idx.data_ptr(),
                                  kv_idx.stride(0), lens.data_ptr(), out.data_ptr(), b, h, kvh, d, scale,
-                                 torch.get_num_threads(), k_pool.shape[0])
+                                 torch.get_num_threads(), k_pool.shape[0], int(window or 0))
     if rc == -2:
         raise IndexError("decode attention: a KV slot index or a row length is outside the pool / slot table")
     if rc != 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.engine.run import attention, cpu_kernels
+from workbench.engine.run import attention, cpu_kernels, variants
 from workbench.engine.run.forward_batch import ForwardBatch
 from workbench.models.loader import LoadedModel
 
@@ -21,6 +21,8 @@ class ModelRunner:
         attention.register()
         self.loaded = loaded
         self.model = loaded.model
+        # what each layer asks of attention; refuses (ValueError) what attention.py does not compute
+        self.variants = variants.probe(self.model)
         self.model.set_attn_implementation(attention.ATTN_NAME)
         self.config = self.model.config
         self.device = loaded.device
@@ -33,6 +35,11 @@ class ModelRunner:
         self.max_context_len = int(getattr(self.config, "max_position_embeddings", 4096))
         # CPU float32: nn.Linear through MKL-packed weights, same results as F.linear (cpu_kernels.py)
         self.packed_bytes = cpu_kernels.pack_linears(self.model) if self.device == "cpu" else 0
+
+    @property
+    def attention_variants(self) -> list[dict]:
+        """Per layer: `{layer, window (None = full), softcap, sinks, scaling}` (variants.py)."""
+        return [v.as_dict() for v in self.variants]
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
