@@ -102,13 +102,19 @@ def probe(model: torch.nn.Module) -> list[AttentionVariant]:
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[3]), None
 
     AttentionInterface.register(PROBE_NAME, record)
-    model.set_attn_implementation(PROBE_NAME)
+    try:
+        model.set_attn_implementation(PROBE_NAME)
+    except (ValueError, ImportError) as exc:
+        raise _refuse(model_type, f"a custom attention function ({exc})") from exc
     device = next(model.parameters()).device
     ids = torch.zeros((1, 3), dtype=torch.int64, device=device)
     with torch.inference_mode():
         model(input_ids=ids, position_ids=torch.arange(3, device=device)[None], use_cache=False,
               logits_to_keep=1, forward_batch=None)
     layers = int(getattr(config, "num_hidden_layers", len(calls)))
+    if not calls:
+        raise _refuse(model_type, "attention outside transformers' AttentionInterface (no layer called the "
+                      "engine's attention function)")
     if sorted(calls) != list(range(layers)):
         raise _refuse(model_type, f"attention in layers {sorted(calls)} instead of one per layer 0..{layers - 1}")
     return [calls[i] for i in range(layers)]
