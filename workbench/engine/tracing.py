@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from workbench.engine.run import variants
 from workbench.trace import events as ev
 from workbench.trace.recorder import MemorySink, Tracer
 
@@ -88,7 +89,8 @@ def forward_batch_event(engine: Engine, fb: ForwardBatch, model: str = "target")
         seq_lens=fb.seq_lens.tolist(), out_cache_loc=fb.out_cache_loc.tolist(), positions=fb.positions.tolist(),
         extend_prefix_lens=fb.extend_prefix_lens.tolist(), extend_seq_lens=fb.extend_seq_lens.tolist(),
         return_logprob=fb.return_logprob, top_logprobs_nums=list(fb.top_logprobs_nums), req_ids=list(fb.req_ids),
-        sampling_info=info.summary() if info is not None else [], model=model)
+        sampling_info=info.summary() if info is not None else [], model=model,
+        attention=variants.trace_record(engine, model, fb.layer_limit))  # per layer: full / window, softcap, sinks
 
 
 def forward_done_event(engine: Engine, fb: ForwardBatch, forward_s: float, sample_s: float,

@@ -118,3 +118,13 @@ def probe(model: torch.nn.Module) -> list[AttentionVariant]:
     if sorted(calls) != list(range(layers)):
         raise _refuse(model_type, f"attention in layers {sorted(calls)} instead of one per layer 0..{layers - 1}")
     return [calls[i] for i in range(layers)]
+
+
+def trace_record(engine: Any, model: str, layer_limit: int | None) -> list[dict[str, Any]]:
+    """Per layer of the forward (index = layer; an early-exit draft runs the first `layer_limit`):
+    `{window, softcap, sinks, scaling}` of the runner that runs it, the target's or the drafter's."""
+    runner = engine.runner
+    if model != "target":
+        runner = getattr(getattr(getattr(engine, "spec", None), "drafter", None), "runner", None) or runner
+    return [{"window": v.window, "softcap": v.softcap, "sinks": v.sinks, "scaling": v.scaling}
+            for v in runner.variants[:layer_limit]]
