@@ -137,3 +137,15 @@ def test_a_layer_passing_an_unknown_attention_keyword_is_refused(monkeypatch):
 def test_an_unknown_family_spec_names_the_families():
     with pytest.raises(ValueError, match="unknown tiny-random family 'bert'.*gemma2"):
         load_model("tiny-random:bert", device="cpu")
+
+
+def test_attention_the_model_would_shape_through_its_mask_is_refused():
+    chunked = _tiny(transformers.LlamaConfig)
+    chunked.config.attention_chunk_size = 8  # Llama 4's chunked attention lives in the mask only
+    with pytest.raises(ValueError, match=r"^llama: chunked attention \(attention_chunk_size\) is not supported"):
+        variants.probe(chunked)
+    qwen2 = _tiny(transformers.Qwen2Config, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert [v.window for v in variants.probe(qwen2)] == [None, 8]
+    qwen2.model.layers[1].self_attn.sliding_window = None  # a window the layer does not pass on
+    with pytest.raises(ValueError, match=r"^qwen2: a sliding window applied only through the mask \(layer 1\)"):
+        variants.probe(qwen2)

@@ -82,6 +82,18 @@ def _check_call(model_type: str, module: torch.nn.Module, query: torch.Tensor, k
                             scaling=float(scaling) if scaling is not None else query.shape[-1] ** -0.5)
 
 
+def _check_config(model_type: str, config: Any, calls: dict[int, AttentionVariant]) -> None:
+    """What the model would do through its attention mask, which the engine does not build: chunked
+    attention, layer types other than full and sliding, a sliding layer that passes no window."""
+    if getattr(config, "attention_chunk_size", None):
+        raise _refuse(model_type, "chunked attention (attention_chunk_size)")
+    for i, kind in enumerate(getattr(config, "layer_types", None) or []):
+        if kind not in ("full_attention", "sliding_attention"):
+            raise _refuse(model_type, f"attention layer type {kind!r} (layer {i})")
+        if kind == "sliding_attention" and i in calls and calls[i].window is None:
+            raise _refuse(model_type, f"a sliding window applied only through the mask (layer {i})")
+
+
 def probe(model: torch.nn.Module) -> list[AttentionVariant]:
     """Run `model` once on 3 tokens through a recording attention function and return each layer's
     variant; raises ValueError for what attention.py does not implement. Leaves the model's attention
@@ -112,6 +124,7 @@ def probe(model: torch.nn.Module) -> list[AttentionVariant]:
         model(input_ids=ids, position_ids=torch.arange(3, device=device)[None], use_cache=False,
               logits_to_keep=1, forward_batch=None)
     layers = int(getattr(config, "num_hidden_layers", len(calls)))
+    _check_config(model_type, config, calls)
     if not calls:
         raise _refuse(model_type, "attention outside transformers' AttentionInterface (no layer called the "
                       "engine's attention function)")
