@@ -144,3 +144,23 @@ def test_the_trace_and_the_forward_batch_pane_show_each_layers_attention():
                            for b in batches)
     assert attention_text(batches[0]).plain == (
         "attention layers 0 window 32 · softcap 10 · scale 0.204  |  layers 1 full · softcap 10 · scale 0.204")
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+@pytest.mark.parametrize(("window", "softcap", "with_sinks"), [(None, 2.0, False), (4, None, True), (32, 5.0, True)])
+def test_decode_kernel_soft_cap_and_sinks_give_the_torch_paths_numbers(window, softcap, with_sinks):
+    q, k_pool, v_pool, idx, lens = _pool(seed=5)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 3.0]) if with_sinks else None
+    out = torch.full_like(q, float("nan"))
+    assert cpu_kernels.decode_attention(q, k_pool, v_pool, idx, lens, out, 0.25, window=window, softcap=softcap,
+                                        sinks=sinks)
+    b, length = idx.shape
+    k = k_pool.index_select(0, idx.reshape(-1)).view(b, length, 2, 16).transpose(1, 2)
+    v = v_pool.index_select(0, idx.reshape(-1)).view(b, length, 2, 16).transpose(1, 2)
+    pos = torch.arange(length)[None, :]
+    mask = (pos < lens[:, None]) & (pos >= lens[:, None] - (window or length))
+    want = attention._attend(q.unsqueeze(2), k, v, mask[:, None, None, :], 0.25, softcap, sinks)[:, :, 0]
+    torch.testing.assert_close(out, want, atol=2e-6, rtol=1e-5)
+    plain = torch.empty_like(q)
+    assert cpu_kernels.decode_attention(q, k_pool, v_pool, idx, lens, plain, 0.25, window=window)
+    assert (plain - out).abs().max() > 1e-3  # the cap and the sinks change the result: the test can fail
