@@ -3,7 +3,8 @@
 Owns: drawing the schedule line (queues, budget, KV use, chunks, preemptions), each ForwardBatch's
 scalar fields, and per request its slice of the packed batch: pool index, prefix and extend
 lengths, seq_len, positions, cache locations, input ids and their text, sampling info; KV
-operations. Does not own loading the step (the screen's workers do).
+operations; which attention each layer ran (full or sliding window, soft-cap, sinks, scaling).
+Does not own loading the step (the screen's workers do).
 """
 
 from __future__ import annotations
@@ -87,6 +88,38 @@ def sampling_text(fb: ForwardBatchBuilt) -> Text | None:
     return Text.assemble(("sampling ", "bold"), " · ".join(parts))
 
 
+def attention_label(layer: dict) -> str:
+    """One layer's attention, e.g. `window 32 · softcap 10 · sinks · scale 0.204`."""
+    parts = [f"window {layer['window']}" if layer.get("window") else "full"]
+    if layer.get("softcap") is not None:
+        parts.append(f"softcap {layer['softcap']:g}")
+    if layer.get("sinks"):
+        parts.append("sinks")
+    if layer.get("scaling") is not None:
+        parts.append(f"scale {layer['scaling']:.3g}")
+    return " · ".join(parts)
+
+
+def _layer_set(layers: list[int]) -> str:
+    """`0–3`, `0, 2, 4` or, for a long alternating pattern, `0–46 step 2`."""
+    steps = {b - a for a, b in zip(layers, layers[1:])}
+    if len(layers) > 3 and len(steps) == 1 and steps != {1}:
+        return f"{layers[0]}–{layers[-1]} step {steps.pop()}"
+    return id_ranges(layers, 4)
+
+
+def attention_text(fb: ForwardBatchBuilt) -> Text | None:
+    """The layers of each attention variant: `attention  layers 0 window 32 · … | layers 1 full · …`."""
+    layers = getattr(fb, "attention", None) or []  # files written before the field existed lack it
+    groups: dict[str, list[int]] = {}
+    for i, layer in enumerate(layers):
+        groups.setdefault(attention_label(layer), []).append(i)
+    if not groups:
+        return None
+    parts = [f"layers {_layer_set(idx)} {label}" for label, idx in groups.items()]
+    return Text.assemble(("attention ", "bold"), "  |  ".join(parts))
+
+
 def _get(values: list, i: int) -> str:
     return str(values[i]) if i < len(values) else "—"
 
@@ -112,6 +145,9 @@ def draw_batch(ctx: PaneContext) -> RenderableType:
     for fb in view.batches:
         parts.append(batch_header(fb, _forward_of(fb, view.forwards), ctx.show_times))
         parts.append(batch_table(fb, ctx.vocab, ctx.selection.req_id))
+        attn = attention_text(fb)
+        if attn is not None:
+            parts.append(attn)
         info = sampling_text(fb)
         if info is not None:
             parts.append(info)

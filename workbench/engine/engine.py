@@ -28,7 +28,7 @@ from workbench.engine.output.output import RequestOutput, StepOutput
 from workbench.engine.output.postprocess import OutputProcessor
 from workbench.engine.output.stage import NewTokens, OutputStage
 from workbench.engine.prompts import Prompt, as_prompt_list, tokenize_prompt
-from workbench.engine.run import cpu_kernels
+from workbench.engine.run import cpu_kernels, variants
 from workbench.engine.run.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from workbench.engine.run.model_runner import ModelRunner
 from workbench.engine.sample.grammar import GrammarBackend
@@ -93,7 +93,8 @@ class Engine:
         self.trace_topk = trace_topk
         self.prefix_sharing = prefix_sharing
         self.tracer = self._make_tracer(trace, trace_level, trace_sinks)
-        self.observer = tracing.TraceObserver(self.tracer, self.memory.allocator, self.outputs.token_text, trace_topk)
+        self.observer = tracing.TraceObserver(self.tracer, self.memory.allocator, self.outputs.token_text, trace_topk,
+                                              attention=self._attention_record)
         self.output_stage = OutputStage(self.outputs, self._release)
         self.finished: dict[str, RequestOutput] = self.output_stage.finished
         self.spec: SpecWorker | None = None
@@ -372,6 +373,11 @@ class Engine:
                     if out.finished:
                         self.tracer.flush()
                         return
+
+    def _attention_record(self, model: str, layer_limit: int | None) -> list[dict[str, Any]]:
+        """Per layer of a forward, the attention it ran (a draft model's from its own runner)."""
+        draft = getattr(self.spec.drafter, "runner", None) if self.spec is not None else None
+        return variants.trace_record(draft if model != "target" and draft is not None else self.runner, layer_limit)
 
     def close(self) -> None:
         self.tracer.close()

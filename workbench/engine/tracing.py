@@ -84,8 +84,10 @@ class TraceObserver:
     """Called by the pipeline at its seams; emits nothing while `tracer.on` is False."""
 
     def __init__(self, tracer: Tracer, allocator: TokenToKVPoolAllocator, token_text: Callable[[int], str],
-                 topk: int) -> None:
+                 topk: int, attention: Callable[[str, int | None], list[dict[str, Any]]] | None = None) -> None:
         self.tracer = tracer
+        # per layer of a forward, the attention it runs (model "target" or "draft", layer limit)
+        self.attention = attention or (lambda model, layer_limit: [])
         self.allocator = allocator
         self.token_text = token_text
         self.trace_topk = topk
@@ -154,7 +156,8 @@ class TraceObserver:
             seq_lens=fb.seq_lens.tolist(), out_cache_loc=fb.out_cache_loc.tolist(), positions=fb.positions.tolist(),
             extend_prefix_lens=fb.extend_prefix_lens.tolist(), extend_seq_lens=fb.extend_seq_lens.tolist(),
             return_logprob=fb.return_logprob, top_logprobs_nums=list(fb.top_logprobs_nums), req_ids=list(fb.req_ids),
-            sampling_info=info.summary() if info is not None else [], model=model))
+            sampling_info=info.summary() if info is not None else [], model=model,
+            attention=self.attention(model, fb.layer_limit)))
 
     def forward_done(self, ctx: StepContext, fb: ForwardBatch, forward_s: float, sample_s: float,
                      model: str = "target") -> None:

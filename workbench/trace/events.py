@@ -142,6 +142,8 @@ class ForwardBatchBuilt(Event):
     req_ids: list[str] = field(default_factory=list)
     sampling_info: list[dict[str, Any]] = field(default_factory=list)  # per request, compact
     model: str = "target"  # target | draft (a drafter's forward in speculative decoding)
+    # per layer, the attention it runs: {window (None = full), softcap, sinks, scaling}; [] in older files
+    attention: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

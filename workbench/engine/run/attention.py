@@ -1,9 +1,14 @@
 """The attention function registered with `transformers.AttentionInterface` as "workbench".
 
 Owns: writing each layer's new K/V into the engine's pool at `out_cache_loc` and attending over
-each request's KV slots read through `req_to_token`. Decode rows on CPU float32 go through the
-native paged kernel (cpu_kernels.py) when it could be built; otherwise, and for extend rows, the
-slots are gathered and attended with `scaled_dot_product_attention`. The unmodified HF model calls
+each request's KV slots read through `req_to_token`, honouring per call what the layer passes:
+`scaling`, `sliding_window` (a query at position p sees positions p-window+1..p, as transformers'
+`sliding_window_overlay`), `softcap` (scores -> tanh(scores / cap) * cap, Gemma 2) and `s_aux`
+(one sink logit per head joining the softmax and then dropped, gpt-oss). Decode rows on CPU
+float32 go through the native paged kernel (cpu_kernels.py: windows, soft-cap and sinks included)
+when it could be built; extend rows and the fallback gather the slots and attend with
+`scaled_dot_product_attention`, or with transformers' eager arithmetic where sdpa cannot express
+the layer. variants.py refuses at load what this does not implement. The unmodified HF model calls
 it with the ForwardBatch as the `forward_batch` keyword. Shapes from HF: query `[1, heads, N, head_dim]`,
 key/value `[1, kv_heads, N, head_dim]`; it returns `[1, N, heads, head_dim]`.
 """
@@ -18,14 +23,59 @@ from workbench.engine.run import cpu_kernels
 ATTN_NAME = "workbench"
 
 
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """transformers' eager attention (Gemma 2's soft-cap, gpt-oss's sinks) on `q [B, H, n, D]`,
+    `k, v [B, KVH, L, D]`, `mask` bool broadcastable to `[B, H, n, L]` (True = attend)."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)  # repeat_kv
+    v = v.repeat_interleave(groups, dim=1)
+    w = torch.matmul(q, k.transpose(2, 3)) * scale
+    if softcap is not None:
+        w = torch.tanh(w / softcap) * softcap
+    w = w.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        p = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        s = sinks.to(w.dtype).reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], 1)
+        w = torch.cat([w, s], dim=-1)
+        w = w - w.max(dim=-1, keepdim=True).values
+        p = torch.softmax(w, dim=-1, dtype=w.dtype)[..., :-1]
+    return torch.matmul(p.to(v.dtype), v)
+
+
+def _attend(q, k, v, mask, scale, softcap, sinks, is_causal=False) -> torch.Tensor:
+    if softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=True)
+    if mask is None:
+        mask = torch.ones((q.shape[2], k.shape[2]), dtype=torch.bool, device=q.device).tril()
+    return _eager(q, k, v, mask, scale, softcap, sinks)
+
+
+def extend_mask(n: int, prefix: int, window: int | None, device) -> torch.Tensor | None:
+    """`[n, prefix + n]` bool: query i (position prefix+i) sees key j when j <= prefix+i and, with a
+    window, j > prefix+i-window. None for the plain causal case of a row without a prefix."""
+    if prefix == 0 and (window is None or window >= n):
+        return None
+    mask = torch.ones((n, prefix + n), dtype=torch.bool, device=device).tril(diagonal=prefix)
+    if window is not None and window < prefix + n:
+        mask &= ~torch.ones_like(mask).tril(diagonal=prefix - window)
+    return mask
+
+
 def workbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, scaling: float | None = None,
-                        dropout: float = 0.0, forward_batch=None, **kwargs) -> tuple[torch.Tensor, None]:
+                        dropout: float = 0.0, forward_batch=None, sliding_window: int | None = None,
+                        softcap: float | None = None, s_aux: torch.Tensor | None = None,
+                        **kwargs) -> tuple[torch.Tensor, None]:
     if forward_batch is None:
         raise RuntimeError("workbench attention needs forward_batch=...; run the model through ModelRunner")
     fb = forward_batch
     layer = module.layer_idx
     kv = fb.memory.kv
+    window = int(sliding_window) if sliding_window else None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     # [N, kv_heads, head_dim]
     k_new = key[0].transpose(0, 1)
     v_new = value[0].transpose(0, 1)
@@ -35,31 +85,39 @@ def workbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     meta = fb.attn
     for start, n, prefix, kv_idx in meta.extend_rows:
         q = query[:, :, start:start + n]  # [1, H, n, D]
+        mask = extend_mask(n, prefix, window, q.device)
         if prefix == 0:
             k = key[:, :, start:start + n]
             v = value[:, :, start:start + n]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         else:
             k = kv.k[layer].index_select(0, kv_idx).transpose(0, 1).unsqueeze(0)  # [1, KVH, prefix+n, D]
             v = kv.v[layer].index_select(0, kv_idx).transpose(0, 1).unsqueeze(0)
-            mask = torch.ones((n, prefix + n), dtype=torch.bool, device=q.device).tril(diagonal=prefix)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+        o = _attend(q, k, v, mask, scale, softcap, s_aux, is_causal=mask is None)
         out[0, start:start + n] = o[0].transpose(0, 1)
     if meta.decode_kv_idx is not None:
-        d0 = meta.decode_start
-        q = query[0, :, d0:].transpose(0, 1)  # [Bd, H, D]
-        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-        if cpu_kernels.decode_attention(q.contiguous(), kv.k[layer], kv.v[layer], meta.decode_kv_idx,
-                                        meta.decode_lens, out[0, d0:], scale):
-            return out, None  # read the pool in place, no gather (cpu_kernels.py)
-        q = q.unsqueeze(2)  # [Bd, H, 1, D]
-        idx = meta.decode_kv_idx  # [Bd, L]; index_select is ~3x faster than advanced indexing here
-        shape = (*idx.shape, *kv.k[layer].shape[1:])
-        k = kv.k[layer].index_select(0, idx.reshape(-1)).view(shape).transpose(1, 2)  # [Bd, KVH, L, D]
-        v = kv.v[layer].index_select(0, idx.reshape(-1)).view(shape).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True)
-        out[0, d0:] = o[:, :, 0]
+        _decode(meta, kv, layer, query, out, scale, window, softcap, s_aux)
     return out, None
+
+
+def _decode(meta, kv, layer: int, query: torch.Tensor, out: torch.Tensor, scale: float, window: int | None,
+            softcap: float | None, sinks: torch.Tensor | None) -> None:
+    """The decode block: one query per row at position lens[b]-1 over that row's KV slots."""
+    d0 = meta.decode_start
+    q = query[0, :, d0:].transpose(0, 1)  # [Bd, H, D]
+    if cpu_kernels.decode_attention(q.contiguous(), kv.k[layer], kv.v[layer], meta.decode_kv_idx, meta.decode_lens,
+                                    out[0, d0:], scale, window=window, softcap=softcap, sinks=sinks):
+        return  # read the pool in place, no gather (cpu_kernels.py)
+    q = q.unsqueeze(2)  # [Bd, H, 1, D]
+    idx = meta.decode_kv_idx  # [Bd, L]; index_select is ~3x faster than advanced indexing here
+    shape = (*idx.shape, *kv.k[layer].shape[1:])
+    k = kv.k[layer].index_select(0, idx.reshape(-1)).view(shape).transpose(1, 2)  # [Bd, KVH, L, D]
+    v = kv.v[layer].index_select(0, idx.reshape(-1)).view(shape).transpose(1, 2)
+    mask = meta.decode_mask
+    if window is not None:
+        first = (meta.decode_lens - window)[:, None, None, None]  # [Bd, 1, 1, 1]
+        mask = mask & (torch.arange(idx.shape[1], device=idx.device) >= first)
+    o = _attend(q, k, v, mask, scale, softcap, sinks)
+    out[0, meta.decode_start:] = o[:, :, 0]
 
 
 def register() -> None:

@@ -103,7 +103,8 @@ def _load_attention() -> ctypes.CDLL | None:
     fn = lib.wb_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-        [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
+        [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+                                ctypes.c_void_p]
     return lib
 
 
@@ -252,9 +253,12 @@ def check_attention(heads: int, kv_heads: int, head_dim: int) -> None:
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_idx: torch.Tensor,
-                     lens: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
+                     lens: torch.Tensor, out: torch.Tensor, scale: float, window: int | None = None,
+                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> bool:
     """Attend `q [B, H, D]` over each row's first `lens[b]` KV slots `kv_idx[b]` of the pool
-    (`[slots, KVH, D]`), writing `out [B, H, D]`. False (nothing written) where the kernel does not
+    (`[slots, KVH, D]`), writing `out [B, H, D]`; with a sliding `window`, over only the last
+    `min(lens[b], window)` of them (the query is at position lens[b]-1); scores soft-capped by
+    `softcap`; `sinks [H]` adding one logit per head to the softmax (transformers' `s_aux`). False (nothing written) where the kernel does not
     apply: not built, not CPU float32, or a layout it does not read."""
     if q.device.type != "cpu" or q.dtype != torch.float32 or k_pool.dtype != torch.float32:
         return False
@@ -267,6 +271,10 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         return False
     b, h, d = q.shape
     kvh = k_pool.shape[1]
+    if sinks is not None:
+        sinks = sinks.detach().to(torch.float32).contiguous()
+        if sinks.shape != (h,) or sinks.device.type != "cpu":
+            return False
     if (h % kvh or out.shape != q.shape or k_pool.shape[2] != d or v_pool.shape != k_pool.shape
             or kv_idx.shape[0] != b or lens.shape[0] != b):
         return False
@@ -283,7 +291,8 @@ def _unchecked_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     kvh = k_pool.shape[1]
     rc = lib.wb_decode_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), kv_idx.data_ptr(),
                                  kv_idx.stride(0), lens.data_ptr(), out.data_ptr(), b, h, kvh, d, scale,
-                                 torch.get_num_threads(), k_pool.shape[0])
+                                 torch.get_num_threads(), k_pool.shape[0], int(window or 0), float(softcap or 0.0),
+                                 sinks.data_ptr() if sinks is not None else None)
     if rc == -2:
         raise IndexError("decode attention: a KV slot index or a row length is outside the pool / slot table")
     if rc != 0:

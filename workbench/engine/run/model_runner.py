@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from workbench.engine.run import attention, cpu_kernels, fastpath
+from workbench.engine.run import attention, cpu_kernels, fastpath, variants
 from workbench.engine.run.forward_batch import ForwardBatch
 from workbench.models.loader import LoadedModel
 
@@ -24,6 +24,8 @@ class ModelRunner:
         attention.register()
         self.loaded = loaded
         self.model = loaded.model
+        # what each layer asks of attention; refuses (ValueError) what attention.py does not compute
+        self.variants = variants.probe(self.model)
         self.model.set_attn_implementation(attention.ATTN_NAME)
         self.config = self.model.config
         self.device = loaded.device
@@ -46,6 +48,11 @@ class ModelRunner:
         are the ones older readers know; "checks" is fastpath.py's verdicts on this CPU so far."""
         return {"decode_attention": self.cpu_fp32 and cpu_kernels.available(),
                 "packed_linear_bytes": self.packed_bytes, "checks": fastpath.CHECKS.report()}
+
+    @property
+    def attention_variants(self) -> list[dict]:
+        """Per layer: `{layer, window (None = full), softcap, sinks, scaling}` (variants.py)."""
+        return [v.as_dict() for v in self.variants]
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

@@ -5,6 +5,11 @@
  * k, v [slots, KVH, D]     one layer of the KV pool, contiguous
  * idx  [B, idx_stride]     KV slot of each cached position (int64), first lens[b] are valid
  * out  [B, H, D]           written; may be a slice of a larger contiguous tensor
+ * window  > 0: sliding window, row b attends only its last min(lens[b], window) positions (its query
+ *          is at position lens[b]-1 and sees positions > lens[b]-1-window, transformers' overlay);
+ *          0: all lens[b] positions. The windowed path is the full path over the window's slots.
+ * softcap > 0: scores -> tanh(scores / softcap) * softcap (Gemma 2), after scaling, before the softmax.
+ * sinks   NULL, or [H]: one extra logit per head in the softmax's denominator, no value (gpt-oss).
  * Returns 0; -2 (nothing written) when a length or a slot index is out of range; -1 out of memory.
  * Query head j attends with KV head j / (H / KVH) (transformers' repeat_kv).
  * num_threads: torch.get_num_threads() of the caller (the engine may step on any thread).
@@ -28,7 +33,8 @@ static inline void prefetch_row(const float *row, int64_t n) {
 
 int wb_decode_attention(const float *q, const float *k, const float *v, const int64_t *idx,
                         int64_t idx_stride, const int64_t *lens, float *out, int64_t B, int64_t H,
-                        int64_t KVH, int64_t D, float scale, int num_threads, int64_t num_slots) {
+                        int64_t KVH, int64_t D, float scale, int num_threads, int64_t num_slots,
+                        int64_t window, float softcap, const float *sinks) {
     const int64_t G = H / KVH;
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) {
@@ -50,8 +56,9 @@ int wb_decode_attention(const float *q, const float *k, const float *v, const in
 #pragma omp for schedule(dynamic, 1)
         for (int64_t b = 0; b < B; b++) {
             if (!scores || !acc) continue;
-            const int64_t L = lens[b];
-            const int64_t *slots = idx + b * idx_stride;
+            const int64_t first = (window > 0 && lens[b] > window) ? lens[b] - window : 0;
+            const int64_t L = lens[b] - first;
+            const int64_t *slots = idx + b * idx_stride + first;
             const float *qb = q + b * H * D;
             const int64_t row = KVH * D; /* floats per slot */
             for (int64_t l = 0; l < L; l++) {
@@ -62,14 +69,16 @@ int wb_decode_attention(const float *q, const float *k, const float *v, const in
                     float s = 0.f;
 #pragma omp simd reduction(+ : s)
                     for (int64_t d = 0; d < D; d++) s += qj[d] * kj[d];
-                    scores[j * L + l] = s * scale;
+                    s *= scale;
+                    if (softcap > 0.f) s = tanhf(s / softcap) * softcap;
+                    scores[j * L + l] = s;
                 }
             }
             for (int64_t j = 0; j < H; j++) {
                 float *sj = scores + j * L;
-                float m = -INFINITY;
+                float m = sinks ? sinks[j] : -INFINITY;
                 for (int64_t l = 0; l < L; l++) m = sj[l] > m ? sj[l] : m;
-                float sum = 0.f;
+                float sum = sinks ? expf(sinks[j] - m) : 0.f;
                 for (int64_t l = 0; l < L; l++) {
                     sj[l] = expf(sj[l] - m);
                     sum += sj[l];
