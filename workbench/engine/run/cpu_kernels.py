@@ -280,12 +280,13 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         return False
     if not CHECKS.attention_ok(b, h, kvh, d, _unchecked_attention):
         return False  # not verified for this layout on this CPU (fastpath.py): the torch path
-    _unchecked_attention(q, k_pool, v_pool, kv_idx, lens, out, scale)
+    _unchecked_attention(q, k_pool, v_pool, kv_idx, lens, out, scale, window, softcap, sinks)
     return True
 
 
 def _unchecked_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_idx: torch.Tensor,
-                         lens: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+                         lens: torch.Tensor, out: torch.Tensor, scale: float, window: int | None = None,
+                         softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     lib = load()
     b, h, d = q.shape
     kvh = k_pool.shape[1]
