@@ -65,7 +65,7 @@ def main() -> None:
         models[fam] = load_model(f"tiny-random:{fam}", device="cpu")
         with Engine(models[fam], trace_level="off") as engine:
             variants = engine.runner.attention_variants
-        layouts[fam] = (" | ".join(f"L{v['layer']} {_label(v)}" for v in variants),
+        layouts[fam] = ("; ".join(f"L{v['layer']} {_label(v)}" for v in variants),
                         "C kernel" if cpu_kernels.available() else "torch")
     text = models["llama"].tokenizer(LONG_TEXT * 8, add_special_tokens=False)["input_ids"]
     prompts = [text[i:i + n] for i, n in enumerate(LENGTHS)]
