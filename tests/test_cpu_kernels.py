@@ -80,9 +80,9 @@ def test_without_a_compiler_the_engine_falls_back_with_a_warning(monkeypatch, tm
 
 def _greedy(tiny, prompts, kernels: bool):
     with Engine(tiny, trace_level="off", chunk_size=16) as engine:
-        used = engine.config["cpu_kernels"]  # what the trace's meta will say ran
-        assert used["decode_attention"] is kernels
-        assert (used["packed_linear_bytes"] > 0) is (kernels and cpu_kernels.mkl() is not None)
+        used = engine.config.cpu_kernels  # what the trace's meta will say ran
+        assert used.decode_attention is kernels
+        assert (used.packed_linear_bytes > 0) is (kernels and cpu_kernels.mkl() is not None)
         outs = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True,
                                                        logprobs=True))
     return [o.token_ids for o in outs], [[t.logprob for t in o.logprobs] for o in outs]
@@ -249,7 +249,7 @@ def test_the_engine_reports_which_kernels_ran_and_why(tiny):
         engine.generate(["a b c"] * 20, SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
         report = engine.runner.kernel_report()
     assert report["decode_attention"] is cpu_kernels.available()
-    assert report["packed_linear_bytes"] == engine.config["cpu_kernels"]["packed_linear_bytes"] > 0
+    assert report["packed_linear_bytes"] == engine.config.cpu_kernels.packed_linear_bytes > 0
     shapes = report["checks"]["packed_linear"]["shapes"]
     hidden = tiny.model.config.hidden_size
     assert f"{hidden}->{tiny.model.config.vocab_size}" in shapes  # lm_head checked too

@@ -17,6 +17,9 @@ from typing import Any
 class CpuKernels:
     decode_attention: bool  # the native CPU decode-attention kernel ran (CPU, fp32, extension built)
     packed_linear_bytes: int  # bytes of weights repacked for the native linear kernels
+    # the load-time self-checks on this CPU (run/fastpath.py): where each kernel was found
+    # bit-identical to the op it replaces and so used, where it was refused, and why
+    checks: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

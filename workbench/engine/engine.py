@@ -89,7 +89,8 @@ class Engine:
             chunk_size=chunk_size, kv_tokens=kv_tokens, max_running=max_running, enable_mixed=enable_mixed,
             trace_topk=trace_topk, seed=seed, prefix_sharing=prefix_sharing, prefix_cache=prefix_cache,
             spec=spec if isinstance(spec, (str, dict, type(None))) else getattr(spec, "to_dict", spec.__str__)(),
-            cpu_kernels=CpuKernels(cpu_fp32 and cpu_kernels.available(), self.runner.packed_bytes))
+            cpu_kernels=CpuKernels(cpu_fp32 and cpu_kernels.available(), self.runner.packed_bytes,
+                                   self.runner.kernel_report()["checks"]))
         self.trace_topk = trace_topk
         self.prefix_sharing = prefix_sharing
         self.tracer = self._make_tracer(trace, trace_level, trace_sinks)
