@@ -100,10 +100,45 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from workbench.trace.diff import diff_traces, format_report
     from workbench.trace.reader import open_trace
 
+    skipped: dict[str, str] = {}
+    if args.against:
+        if args.b is not None:
+            raise ValueError("diff: give either B or --against PEER, not both")
+        from workbench.against import record_peer
+
+        peer = record_peer(args.a, args.against, args.against_out)
+        args.b, skipped = peer.path, peer.skipped
+    elif args.b is None:
+        raise ValueError("diff: give a second trace B, or --against transformers")
     with open_trace(args.a) as a, open_trace(args.b) as b:
         report = diff_traces(a, b, tolerance=args.tolerance)
+    if skipped:  # requests the peer cannot reproduce are not part of the comparison
+        report.only_in_a = [r for r in report.only_in_a if r not in skipped]
     print(format_report(report))
+    for rid, why in skipped.items():
+        print(f"not compared: {rid} ({why})")
+    if args.against:
+        print(f"{args.against} trace: {args.b}")
     return 0 if report.identical else 1
+
+
+def _add_diff_parser(sub) -> None:
+    p = sub.add_parser("diff", help="line two traces up and report the first divergence, with a near-tie verdict")
+    p.add_argument("a")
+    p.add_argument("b", nargs="?", default=None)
+    p.add_argument("--against", default=None, metavar="PEER",
+                   help="record PEER's greedy run of A's prompts (transformers) and diff A against it")
+    p.add_argument("--against-out", default=None, metavar="FILE.wbtrace", help="where to keep the peer's trace")
+    p.add_argument("--tolerance", type=float, default=1e-3)
+    p.set_defaults(func=cmd_diff)
+
+
+def _add_replay_parser(sub) -> None:
+    from workbench.replay import add_replay_args
+
+    p = sub.add_parser("replay", help="re-execute a trace and report the first divergence (--out saves the run)")
+    add_replay_args(p)
+    p.set_defaults(func=cmd_replay)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -187,18 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_client_args(p)
     p.set_defaults(func=cmd_client)
-    p = sub.add_parser("replay", help="re-execute a trace and report the first divergence")
-    p.add_argument("trace")
-    p.add_argument("--tolerance", type=float, default=1e-3)
-    p.add_argument("--override", action="append", default=[], metavar="REQ:FIELD=VALUE",
-                   help="change a recorded request's sampling parameter, or engine.FIELD=VALUE")
-    p.add_argument("--device", default=None)
-    p.set_defaults(func=cmd_replay)
-    p = sub.add_parser("diff", help="line two traces up and report the first divergence")
-    p.add_argument("a")
-    p.add_argument("b")
-    p.add_argument("--tolerance", type=float, default=1e-3)
-    p.set_defaults(func=cmd_diff)
+    _add_replay_parser(sub)
+    _add_diff_parser(sub)
     p = sub.add_parser("export", help="export a trace to Perfetto JSON or a per-token table")
     p.add_argument("trace")
     p.add_argument("--perfetto", metavar="OUT.json")
