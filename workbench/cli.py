@@ -133,6 +133,20 @@ def _add_diff_parser(sub) -> None:
     p.set_defaults(func=cmd_diff)
 
 
+def cmd_fork(args: argparse.Namespace) -> int:
+    from workbench.branch import main as fork_main
+
+    return fork_main(args)
+
+
+def _add_fork_parser(sub) -> None:
+    from workbench.branch import add_fork_args
+
+    p = sub.add_parser("fork", help="re-run a trace up to REQ:POSITION, force a token or change parameters there")
+    add_fork_args(p)
+    p.set_defaults(func=cmd_fork)
+
+
 def _add_replay_parser(sub) -> None:
     from workbench.replay import add_replay_args
 
@@ -224,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_client)
     _add_replay_parser(sub)
     _add_diff_parser(sub)
+    _add_fork_parser(sub)
     p = sub.add_parser("export", help="export a trace to Perfetto JSON or a per-token table")
     p.add_argument("trace")
     p.add_argument("--perfetto", metavar="OUT.json")

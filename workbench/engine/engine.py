@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from workbench.engine import tracing
+from workbench.engine import tracing, whatif
 from workbench.engine.output.output import RequestOutput, StepOutput
 from workbench.engine.output.postprocess import OutputProcessor
 from workbench.engine.prompts import Prompt, as_prompt_list, tokenize_prompt
@@ -389,6 +389,16 @@ class Engine:
     @property
     def memory_sink(self) -> MemorySink | None:
         return next((s for s in self.tracer.sinks if isinstance(s, MemorySink)), None)
+
+    # --- what-if hooks (workbench fork; logic in whatif.py) -----------------------------------
+
+    def force_token(self, req_id: str, position: int, token: int) -> None:
+        """Output `position` (0-based) of `req_id` becomes `token`, not what the sampler draws (trace: source "forced")."""
+        whatif.force_token(self, req_id, position, token)
+
+    def update_params(self, req_id: str, **changes: Any) -> SamplingParams:
+        """Change a queued or running request's sampling parameters for its following steps."""
+        return whatif.update_params(self, req_id, **changes)
 
 
 def _progress(enabled: bool, total: int):

@@ -136,7 +136,8 @@ def emit_sampling(engine: Engine, reqs: list[Req], logits: torch.Tensor, sample:
         tops = [[tid, v, engine.outputs.token_text(tid)] for tid, v in zip(lp_ids[i], lp_vals[i])]
         engine.tracer.emit(ev.TokenChosen(
             step=step, req_id=req.req_id, t=t, position=position, token_id=tok, text=engine.outputs.token_text(tok),
-            logprob=_finite(sample.logprobs[i]), rank=sample.ranks[i], top_logprobs=tops))
+            logprob=_finite(sample.logprobs[i]), rank=sample.ranks[i], top_logprobs=tops,
+            source="forced" if i in getattr(sample, "forced", ()) else "sample"))
 
 
 def emit_output_events(engine: Engine, req: Req, new_ids: list[int], detok: Any, decision: Any) -> None:

@@ -32,7 +32,8 @@ class Verdict:
 
     def describe(self) -> str:
         if self.forced:
-            return "forced (the fork's branch point)"
+            why = f"; A preferred its own token by {self.margin:.3g} nats" if self.margin is not None else ""
+            return f"forced (the fork's branch point{why})"
         if self.near_tie is None:
             return "unknown (a side recorded no top-k distribution here)"
         kind = "a near tie" if self.near_tie else "a real difference"
