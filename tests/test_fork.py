@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 import workbench
+from tests.test_tui_fixtures import _anyio_backend  # noqa: F401 - fixture
+from tests.test_tui_panes import pane, tui
 from workbench.cli import main as cli_main
 from workbench.engine.engine import Engine
 from workbench.engine.sample.sampling_params import SamplingParams
@@ -29,10 +31,15 @@ def parent(tiny, tmp_path_factory):
     return path, tokens, runner_up
 
 
-def test_fork_forces_runner_up_and_keeps_the_rest(parent, tiny, tmp_path):
+@pytest.fixture(scope="module")
+def forked(parent, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fork") / "fork.wbtrace"
+    return out, workbench.fork(str(parent[0]), "req-3:5", token="rank:2", out=str(out))
+
+
+def test_fork_forces_runner_up_and_keeps_the_rest(parent, forked, tiny):
     path, tokens, runner_up = parent
-    out = tmp_path / "fork.wbtrace"
-    result = workbench.fork(str(path), "req-3:5", token="rank:2", out=str(out))
+    out, result = forked
     assert result.branch.token == runner_up[0] != tokens["req-3"][5]
     with open_trace(out) as f:
         forked = {r.req_id: [e.token_id for e in f.timeline(r.req_id).tokens] for r in f.requests()}
@@ -80,3 +87,13 @@ def test_fork_bad_input_is_a_clear_error(parent, tmp_path, capsys):
                       (["--at", "req-3:1", "--set", "n=2"], "cannot change n")):
         assert cli_main(["fork", str(path), *args, "--out", out]) == 2, args
         assert msg in capsys.readouterr().err
+
+
+@pytest.mark.anyio
+async def test_tui_marks_the_branch_point(forked):
+    out, _ = forked
+    async with tui(out, request="req-3") as (pilot, screen):
+        status = str(screen.query_one("#status").render())
+        assert "⑂ fork of parent.wbtrace at req-3:5 (forced" in status
+        chips = pane(screen, "tokens")
+        assert chips.count("⑂") == 1
