@@ -147,6 +147,21 @@ def _add_fork_parser(sub) -> None:
     p.set_defaults(func=cmd_fork)
 
 
+def cmd_invariance(args: argparse.Namespace) -> int:
+    from workbench.invariance import main as invariance_main
+
+    return invariance_main(args)
+
+
+def _add_invariance_parser(sub) -> None:
+    from workbench.invariance import add_invariance_args
+
+    p = sub.add_parser("invariance", help="re-run each recorded request alone and in its batch: logprob drift, "
+                       "first differing token, near tie or not")
+    add_invariance_args(p)
+    p.set_defaults(func=cmd_invariance)
+
+
 def _add_replay_parser(sub) -> None:
     from workbench.replay import add_replay_args
 
@@ -239,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay_parser(sub)
     _add_diff_parser(sub)
     _add_fork_parser(sub)
+    _add_invariance_parser(sub)
     p = sub.add_parser("export", help="export a trace to Perfetto JSON or a per-token table")
     p.add_argument("trace")
     p.add_argument("--perfetto", metavar="OUT.json")
