@@ -97,3 +97,17 @@ async def test_tui_marks_the_branch_point(forked):
         assert "⑂ fork of parent.wbtrace at req-3:5 (forced" in status
         chips = pane(screen, "tokens")
         assert chips.count("⑂") == 1
+
+
+def test_diff_view_aligns_positions_and_marks_the_branch(parent, forked):
+    from workbench.notebook import DiffView
+
+    path, tokens, runner_up = parent
+    out, _ = forked
+    view = DiffView(str(path), str(out), req_ids=["req-3", "req-1"])
+    rows = view.rows("req-3")
+    assert [r["state"] for r in rows] == ["same"] * 5 + ["forced"] + ["after"] * (N - 6)
+    assert rows[5]["text_b"] == runner_up[2] and rows[5]["text_a"] != rows[5]["text_b"]
+    assert all(r["state"] == "same" and r["text_a"] == r["text_b"] for r in view.rows("req-1"))
+    page = view._repr_html_()
+    assert page.count("<tr class='forced'>") == 1 and "⑂" in page and "shared prefix 5 of 10" in page
