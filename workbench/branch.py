@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.replay import _recorded_requests, build_engine, parse_value, run_recorded
+from workbench.rerun import build_engine, parse_value, recorded_requests, run_recorded
 from workbench.trace.diff import DiffReport, diff_traces
 from workbench.trace.reader import Trace, open_trace
 
@@ -122,7 +122,7 @@ def fork(trace: str, at: str | tuple[str, int], *, token: int | str | None = Non
         raise ValueError("fork: give --token and/or --set, or the fork is the parent again")
     with open_trace(trace) as parent:
         recorded = _recorded_token(parent, rid, position)
-        requests = _recorded_requests(parent)
+        requests = recorded_requests(parent)
         cfg = dict(parent.meta.get("engine") or {})
         spec_disabled = cfg.get("spec") is not None
         engine, sink = build_engine(parent, cfg, device, out, {"spec": None} if spec_disabled else None)

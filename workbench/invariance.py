@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from workbench.replay import _recorded_requests, build_engine, run_recorded
+from workbench.rerun import build_engine, recorded_requests, run_recorded
 from workbench.trace.diff import Verdict, verdict
 from workbench.trace.reader import open_trace
 
@@ -144,7 +144,7 @@ def invariance(trace: str, *, device: str | None = None, tolerance: float = 1e-3
 
     t0 = time.perf_counter()
     with open_trace(trace) as recorded:
-        requests = _recorded_requests(recorded)
+        requests = recorded_requests(recorded)
         if not requests:
             raise ValueError(f"trace {trace!r} records no requests: nothing to compare")
         known = {r["req_id"] for r in requests}

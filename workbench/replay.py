@@ -1,8 +1,7 @@
 """Replay: re-execute a recorded trace, save the replayed run, and name the first difference.
 
-Owns: rebuilding an engine from a trace's meta (refusing a model whose content hash differs),
-re-submitting the recorded requests at their recorded arrival steps (`run_recorded`, which fork
-and invariance share), and comparing with the recording at one of three levels (`--compare`):
+Owns: comparing a re-execution (workbench/rerun.py rebuilds the engine and re-submits the
+recorded requests) with the recording at one of three levels (`--compare`):
 `steps` compares every step's events stage by stage (batch composition, tokens and logprobs within
 a tolerance, detokenizer output, finish decisions); `tokens` only each request's tokens and
 logprobs, wherever they were produced; `outputs` only each request's final output. A divergence
@@ -15,14 +14,14 @@ import argparse
 import json
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from workbench.rerun import build_engine, parse_value, recorded_requests, run_recorded
 from workbench.trace import events as ev
 from workbench.trace.diff import verdict
 from workbench.trace.diff_format import fmt_top
-from workbench.trace.reader import Trace, open_trace
+from workbench.trace.reader import open_trace
 
 COMPARE = ("steps", "tokens", "outputs")
 ENGINE_STAGES = ("schedule", "forward_batch", "spec.draft", "spec.verify", "steps")
@@ -104,13 +103,6 @@ def _short(x: Any, n: int = 160) -> str:
     return s if len(s) <= n else s[: n - 3] + "..."
 
 
-def parse_value(raw: str) -> Any:
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw  # a bare word: a string value
-
-
 def _apply_overrides(requests: list[dict], engine_cfg: dict, overrides: list[str]) -> None:
     """`REQ:FIELD=VALUE` changes a request's sampling parameter; `engine.FIELD=VALUE` the engine."""
     for item in overrides:
@@ -148,83 +140,6 @@ def _cause(d: Divergence, overrides: list[str]) -> str | None:
     order = engine + own if d.stage in ENGINE_STAGES or d.req_id is None else own + engine
     order += other
     return f"--override {order[0][0]} ({order[0][1]})" if order else None
-
-
-def _recorded_requests(trace: Trace) -> list[dict[str, Any]]:
-    out = []
-    for e in trace.events(kind="request.added"):
-        out.append({"req_id": e.req_id, "step": e.step, "prompt_ids": e.prompt_ids, "params": dict(e.params),
-                    "parent_id": e.parent_id})
-    return out
-
-
-def model_meta(trace: Trace) -> dict[str, Any]:
-    meta = trace.meta.get("model") or {}
-    if not isinstance(meta, dict):
-        raise ValueError(f"trace meta 'model' is {type(meta).__name__} {meta!r}, expected an object with 'spec' "
-                         "and 'hash': the file was not written by the engine, so it cannot be replayed")
-    return meta
-
-
-def build_engine(trace: Trace, engine_cfg: dict, device: str | None, out: str | None = None,
-                 overrides: dict[str, Any] | None = None):
-    """An engine like the recorded one (config, model checked by hash), tracing into a MemorySink and,
-    with `out`, a new .wbtrace file too. `overrides` replaces Engine keyword arguments (e.g. spec)."""
-    from workbench.engine.engine import Engine
-    from workbench.models.loader import load_model
-    from workbench.trace.recorder import MemorySink
-
-    meta = model_meta(trace)
-    spec = meta.get("spec") or engine_cfg.get("model")
-    loaded = load_model(spec, device=device or meta.get("device", "cpu"), dtype=meta.get("dtype"))
-    if meta.get("hash") and loaded.content_hash != meta["hash"]:
-        raise ValueError(f"model {spec!r} has content hash {loaded.content_hash}, but the trace was recorded with "
-                         f"{meta['hash']}: refusing to replay against a different model")
-    sink = MemorySink()
-    keys = ("max_batch_tokens", "chunk_size", "kv_tokens", "max_running", "enable_mixed", "trace_topk", "seed", "spec",
-            "prefix_sharing", "prefix_cache")
-    kwargs = {k: engine_cfg[k] for k in keys if k in engine_cfg}
-    kwargs.setdefault("prefix_sharing", False)  # traces from before it existed ran without it
-    kwargs.update(overrides or {})
-    level = trace.meta.get("trace_level", "summary")
-    if out is not None:
-        from pathlib import Path
-
-        Path(out).unlink(missing_ok=True)
-    engine = Engine(loaded, trace=out, trace_level=level if level != "off" else "summary", trace_sinks=[sink],
-                    **kwargs)
-    return engine, sink
-
-
-def _submit(engine, reqs: list[dict]) -> None:
-    from workbench.engine.sample.sampling_params import SamplingParams
-
-    groups: dict[str, list[dict]] = defaultdict(list)
-    for r in reqs:
-        groups[r["parent_id"] or r["req_id"]].append(r)
-    for base, group in groups.items():
-        params = SamplingParams.from_dict(group[0]["params"])
-        engine.add_request(list(group[0]["prompt_ids"]), params, req_id=base)
-
-
-def run_recorded(engine, sink, requests: list[dict], before_step: Callable[[Any], None] | None = None
-                 ) -> Iterator[tuple[int, list[ev.Event]]]:
-    """Submit `requests` at their recorded arrival steps and step until every one has finished;
-    yield (step, that step's events except request.added). Every event stays in `sink.events`."""
-    pending = sorted(requests, key=lambda r: r["step"])
-    while pending or engine.has_work():
-        due = [r for r in pending if r["step"] <= engine.step_no + 1]
-        if not due and not engine.has_work():  # an idle engine does not count steps: next arrivals now
-            due = [r for r in pending if r["step"] == pending[0]["step"]]
-        if due:
-            pending = [r for r in pending if r not in due]
-            _submit(engine, due)
-        if before_step is not None:
-            before_step(engine)
-        start = len(sink.events)
-        engine.step()
-        step = engine.step_no
-        yield step, [e for e in sink.events[start:] if e.step == step and e.kind != "request.added"]
 
 
 def _index(events: list[ev.Event]) -> dict[tuple[str, str | None], list[ev.Event]]:
@@ -337,7 +252,7 @@ def replay(path: str, *, overrides: list[str] | None = None, tolerance: float = 
     t0 = time.perf_counter()
     with open_trace(path) as trace:
         engine_cfg = dict(trace.meta.get("engine") or {})
-        requests = _recorded_requests(trace)
+        requests = recorded_requests(trace)
         if not requests:
             raise ValueError(f"trace {path!r} records no requests: nothing to replay")
         _apply_overrides(requests, engine_cfg, overrides)
@@ -373,7 +288,8 @@ def replay(path: str, *, overrides: list[str] | None = None, tolerance: float = 
         divergence = compare_outputs(recorded_all, replayed_all, tolerance)
     if divergence is not None and divergence is not first:
         divergence.cause = _cause(divergence, overrides)
-    return ReplayReport(compared, tokens, max_delta, divergence, time.perf_counter() - t0, compare, first, out)
+    steps = compared if compare == "steps" else engine.step_no  # tokens/outputs: every step ran and counted
+    return ReplayReport(steps, tokens, max_delta, divergence, time.perf_counter() - t0, compare, first, out)
 
 
 def main(args: argparse.Namespace) -> int:
