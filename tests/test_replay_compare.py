@@ -14,13 +14,14 @@ from workbench.trace.diff import diff_traces
 from workbench.trace.reader import open_trace
 
 PROMPTS = [f"Request number {i} asks about the weather in city {i} and the trains that leave it" for i in range(8)]
+N = 8
 
 
 @pytest.fixture(scope="module")
 def recorded(tiny, tmp_path_factory):
     path = tmp_path_factory.mktemp("compare") / "run.wbtrace"
-    params = [SamplingParams(temperature=0, max_new_tokens=12) if i % 2 == 0 else
-              SamplingParams(temperature=0.9, top_p=0.9, seed=10 + i, max_new_tokens=12) for i in range(8)]
+    params = [SamplingParams(temperature=0, max_new_tokens=N) if i % 2 == 0 else
+              SamplingParams(temperature=0.9, top_p=0.9, seed=10 + i, max_new_tokens=N) for i in range(8)]
     with Engine(tiny, trace=str(path), chunk_size=64) as engine:
         engine.generate(PROMPTS, params)
     return path
@@ -34,7 +35,7 @@ def test_replay_out_is_identical_by_diff(recorded, tmp_path, capsys):
         report = diff_traces(a, b)
         assert b.meta["replay"]["parent"] == str(recorded)
         assert len(b.requests()) == 8
-    assert report.identical and all(r.compared == 12 for r in report.requests)
+    assert report.identical and all(r.compared == N for r in report.requests)
     assert cli_main(["diff", str(recorded), str(out)]) == 0
 
 
@@ -72,3 +73,17 @@ def test_bad_compare_and_string_model_meta(recorded, tmp_path, capsys):
         conn.execute("UPDATE meta SET value=? WHERE key='model'", (json.dumps("tiny-random"),))
     assert cli_main(["replay", str(copy)]) == 2
     assert "meta 'model'" in capsys.readouterr().err
+
+
+def test_diff_says_where_kl_is_not_defined(recorded, tiny, tmp_path, capsys):
+    bare = tmp_path / "no_topk.wbtrace"
+    params = [SamplingParams(temperature=0, max_new_tokens=N) if i % 2 == 0 else
+              SamplingParams(temperature=0.9, top_p=0.9, seed=10 + i, max_new_tokens=N) for i in range(8)]
+    with Engine(tiny, trace=str(bare), chunk_size=64, trace_topk=0) as engine:
+        engine.generate(PROMPTS, params)
+    with open_trace(recorded) as a, open_trace(bare) as b:
+        report = diff_traces(a, b)
+    assert report.first_divergence is None and all(r.mean_kl is None for r in report.requests)
+    assert cli_main(["diff", str(recorded), str(bare)]) == 0
+    text = capsys.readouterr().out
+    assert "KL not defined where B has no top-k distribution" in text and " n/a " in text

@@ -137,6 +137,15 @@ def _compare(rid: str, batched: list[Any], alone: list[Any], seeded: bool, sizes
                         [sizes.get(e.step, 0) for e in batched[: len(positions)]])
 
 
+def _alone(r: dict[str, Any]) -> dict[str, Any]:
+    """The recorded request as a request of its own: arriving at once; an n > 1 sibling as n = 1 with
+    the seed it had (the engine seeds sibling i with seed + i)."""
+    params = {**r["params"], "n": 1}
+    if r.get("parent_id") is not None and params.get("seed") is not None:
+        params["seed"] += int(r["req_id"].rsplit("-", 1)[1])
+    return {**r, "step": 0, "parent_id": None, "params": params}
+
+
 def invariance(trace: str, *, device: str | None = None, tolerance: float = 1e-3, progress: bool = False,
                req_ids: list[str] | None = None) -> InvarianceReport:
     """Re-run `trace` as recorded (batched) and each request alone; compare them per position."""
@@ -165,7 +174,7 @@ def invariance(trace: str, *, device: str | None = None, tolerance: float = 1e-3
             engine.forget(r["req_id"])
             engine.flush_prefix_cache()  # alone means nothing cached from the batched run either
             sink.events.clear()
-            for _ in run_recorded(engine, sink, [{**r, "step": 0, "parent_id": None}]):
+            for _ in run_recorded(engine, sink, [_alone(r)]):
                 pass
             alone[r["req_id"]] = _tokens(sink.events).get(r["req_id"], [])
             bar.update(1)
