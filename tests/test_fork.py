@@ -111,3 +111,28 @@ def test_diff_view_aligns_positions_and_marks_the_branch(parent, forked):
     assert all(r["state"] == "same" and r["text_a"] == r["text_b"] for r in view.rows("req-1"))
     page = view._repr_html_()
     assert page.count("<tr class='forced'>") == 1 and "⑂" in page and "shared prefix 5 of 10" in page
+
+
+def test_engine_hooks_force_a_token_and_change_params(tiny):
+    with Engine(tiny) as engine:
+        (rid,) = engine.add_request("The harbour at dawn", SamplingParams(temperature=0, max_new_tokens=6,
+                                                                          ignore_eos=True))
+        engine.force_token(rid, 2, 1234)
+        with pytest.raises(ValueError, match="token must be an id"):
+            engine.force_token(rid, 3, engine.vocab_size)
+        with pytest.raises(ValueError, match="cannot change stop"):
+            engine.update_params(rid, stop=["x"])
+        while not engine.reqs[rid].output_ids:
+            engine.step()
+        with pytest.raises(ValueError, match="position must be an int >= 1"):
+            engine.force_token(rid, 0, 5)
+        engine.update_params(rid, temperature=0.7, seed=3)
+        while rid not in engine.finished:
+            engine.step()
+        out = engine.finished[rid]
+        sink = engine.memory_sink
+    assert out.token_ids[2] == 1234 and len(out.token_ids) == 6
+    token_events = [e for e in sink.events if e.kind == "token" and e.req_id == rid]
+    assert [e.source for e in token_events].count("forced") == 1 and token_events[2].source == "forced"
+    sampled = [e for e in sink.events if e.kind == "forward_batch"][-1].sampling_info[0]
+    assert sampled["temperature"] == 0.7 and sampled["seed"] == 3

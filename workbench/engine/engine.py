@@ -393,7 +393,7 @@ class Engine:
     # --- what-if hooks (workbench fork; logic in whatif.py) -----------------------------------
 
     def force_token(self, req_id: str, position: int, token: int) -> None:
-        """Output `position` (0-based) of `req_id` becomes `token`, not what the sampler draws (trace: source "forced")."""
+        """`token` becomes output `position` (0-based) of `req_id`, not the sampler's draw (traced as "forced")."""
         whatif.force_token(self, req_id, position, token)
 
     def update_params(self, req_id: str, **changes: Any) -> SamplingParams:
