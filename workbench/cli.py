@@ -1,4 +1,5 @@
-"""The `workbench` command: generate, demo, tui, serve, client, replay, diff, fork, invariance, export, bench, make-traces.
+"""The `workbench` command: generate, demo, tui, serve, client, replay, diff, fork, invariance, export,
+bench, make-traces.
 
 Owns: argument parsing and wiring subcommands to library calls. Heavy imports (torch, the engine,
 textual, fastapi) happen inside each subcommand so `workbench --help` and the viewers start fast.
