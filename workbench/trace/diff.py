@@ -195,8 +195,22 @@ def diff_traces(a: Trace, b: Trace, tolerance: float = 1e-3) -> DiffReport:
         pairs = list(zip(ids_a, ids_b))
         only_a, only_b = ids_a[len(pairs):], ids_b[len(pairs):]
     reqs = [_diff_request(ra, rb, toks_a.get(ra, []), toks_b.get(rb, []), tolerance) for ra, rb in pairs]
-    fork = b.meta.get("fork") or a.meta.get("fork")
-    return DiffReport(reqs, only_a, only_b, fork if isinstance(fork, dict) else None)
+    return DiffReport(reqs, only_a, only_b, _fork_of(b, a) or _fork_of(a, b))
+
+
+def _fork_of(child: Trace, parent: Trace) -> dict[str, Any] | None:
+    """`child`'s fork meta when `child` is a fork of `parent` (same file, or the same name)."""
+    import os
+
+    fork = child.meta.get("fork")
+    if not isinstance(fork, dict) or not fork.get("parent"):
+        return None
+    named, path = str(fork["parent"]), str(getattr(parent, "path", ""))
+    try:
+        same = os.path.samefile(named, path)
+    except OSError:
+        same = os.path.basename(named) == os.path.basename(path)
+    return fork if same else None
 
 
 def format_report(report: DiffReport) -> str:
