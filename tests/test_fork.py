@@ -136,3 +136,17 @@ def test_engine_hooks_force_a_token_and_change_params(tiny):
     assert [e.source for e in token_events].count("forced") == 1 and token_events[2].source == "forced"
     sampled = [e for e in sink.events if e.kind == "forward_batch"][-1].sampling_info[0]
     assert sampled["temperature"] == 0.7 and sampled["seed"] == 3
+
+
+def test_token_is_an_id_one_tokens_text_or_a_rank(parent, tiny):
+    from workbench.branch import resolve_token
+
+    path, _, runner_up = parent
+    with open_trace(path) as t:
+        recorded = t.timeline("req-3").tokens[5]
+    (the,) = tiny.tokenizer.encode(" the", add_special_tokens=False)
+    assert resolve_token(" the", tiny.tokenizer, recorded) == the
+    assert resolve_token("17", tiny.tokenizer, recorded) == 17
+    assert resolve_token("rank:2", tiny.tokenizer, recorded) == runner_up[0]
+    with pytest.raises(ValueError, match="give the text of one token"):
+        resolve_token(" the lighthouse keeper", tiny.tokenizer, recorded)
