@@ -42,7 +42,8 @@ def _fork_lines(report: DiffReport) -> list[str]:
     same = sum(1 for x in others if x.first_divergence is None and x.len_a == x.len_b)
     return [f"fork of {fork.get('parent')!r} at {rid}:{pos} ({', '.join(what) or 'no change'})",
             f"  shared prefix: {r.shared_prefix} tokens of {rid}; other requests identical: {same}/{len(others)}",
-            f"  A continues: {r.continuation_a!r}", f"  B continues: {r.continuation_b!r}"]
+            f"  A continues: {r.continuation_a!r}", f"  B continues: {r.continuation_b!r}"] + (
+        ["  (the fork ran without speculative decoding, which the parent used)"] if fork.get("spec_disabled") else [])
 
 
 def _row(r: RequestDiff) -> str:
