@@ -149,3 +149,17 @@ def grid(headers: Sequence[str], rows: Sequence[Sequence[str]], caps: dict[int, 
         out.append(sep.join(c.ljust(w) for c, w in zip(cells, widths)).rstrip(),
                    style=(row_styles[n] if row_styles else None) or "")
     return out
+
+
+BRANCH_MARK = "⑂"  # marks a fork's branch point (a forced token, the fork in the status line)
+
+
+def fork_label(meta: dict) -> str | None:
+    """`⑂ fork of parent.wbtrace at req-3:5 (forced 'x', set temperature=0)` for a fork trace, else None."""
+    fork = meta.get("fork")
+    if not isinstance(fork, dict):
+        return None
+    what = [f"forced {quote(fork.get('token_text'), 16)}"] if fork.get("token") is not None else []
+    what += [f"set {k}={v}" for k, v in (fork.get("set") or {}).items()]
+    parent = str(fork.get("parent", "?")).rsplit("/", 1)[-1]
+    return f"{BRANCH_MARK} fork of {parent} at {fork.get('req_id')}:{fork.get('position')} ({', '.join(what)})"

@@ -12,6 +12,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from tui.fmt import fork_label
 from tui.stepview import RequestData, StepView
 from tui.vocab import Vocab, load_tokenizer, tokenizer_folder
 from workbench.trace.live import TraceView
@@ -49,7 +50,9 @@ class TraceModel:
         """`file · model` for the header."""
         model = self.meta.get("model")
         label = model.get("name") or model.get("spec") if isinstance(model, dict) else None
-        return f"{self.name} · {label}" if label else self.name
+        title = f"{self.name} · {label}" if label else self.name
+        fork = fork_label(self.meta)  # a fork names its parent and branch point
+        return f"{title} · {fork}" if fork else title
 
     def steps(self) -> list[StepInfo]:
         with self._lock:

@@ -1,4 +1,5 @@
-"""The `workbench` command: generate, demo, tui, serve, client, replay, diff, export, bench, make-traces.
+"""The `workbench` command: generate, demo, tui, serve, client, replay, diff, fork, invariance, export,
+bench, make-traces.
 
 Owns: argument parsing and wiring subcommands to library calls. Heavy imports (torch, the engine,
 textual, fastapi) happen inside each subcommand so `workbench --help` and the viewers start fast.
@@ -100,10 +101,74 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from workbench.trace.diff import diff_traces, format_report
     from workbench.trace.reader import open_trace
 
+    skipped: dict[str, str] = {}
+    if args.against:
+        if args.b is not None:
+            raise ValueError("diff: give either B or --against PEER, not both")
+        from workbench.against import record_peer
+
+        peer = record_peer(args.a, args.against, args.against_out)
+        args.b, skipped = peer.path, peer.skipped
+    elif args.b is None:
+        raise ValueError("diff: give a second trace B, or --against transformers")
     with open_trace(args.a) as a, open_trace(args.b) as b:
         report = diff_traces(a, b, tolerance=args.tolerance)
+    if skipped:  # requests the peer cannot reproduce are not part of the comparison
+        report.only_in_a = [r for r in report.only_in_a if r not in skipped]
     print(format_report(report))
+    for rid, why in skipped.items():
+        print(f"not compared: {rid} ({why})")
+    if args.against:
+        print(f"{args.against} trace: {args.b}")
     return 0 if report.identical else 1
+
+
+def _add_diff_parser(sub) -> None:
+    p = sub.add_parser("diff", help="line two traces up and report the first divergence, with a near-tie verdict")
+    p.add_argument("a")
+    p.add_argument("b", nargs="?", default=None)
+    p.add_argument("--against", default=None, metavar="PEER",
+                   help="record PEER's greedy run of A's prompts (transformers) and diff A against it")
+    p.add_argument("--against-out", default=None, metavar="FILE.wbtrace", help="where to keep the peer's trace")
+    p.add_argument("--tolerance", type=float, default=1e-3)
+    p.set_defaults(func=cmd_diff)
+
+
+def cmd_fork(args: argparse.Namespace) -> int:
+    from workbench.branch import main as fork_main
+
+    return fork_main(args)
+
+
+def _add_fork_parser(sub) -> None:
+    from workbench.branch import add_fork_args
+
+    p = sub.add_parser("fork", help="re-run a trace up to REQ:POSITION, force a token or change parameters there")
+    add_fork_args(p)
+    p.set_defaults(func=cmd_fork)
+
+
+def cmd_invariance(args: argparse.Namespace) -> int:
+    from workbench.invariance import main as invariance_main
+
+    return invariance_main(args)
+
+
+def _add_invariance_parser(sub) -> None:
+    from workbench.invariance import add_invariance_args
+
+    p = sub.add_parser("invariance", help="re-run each recorded request alone and in its batch: logprob drift, "
+                       "first differing token, near tie or not")
+    add_invariance_args(p)
+    p.set_defaults(func=cmd_invariance)
+
+
+def _add_replay_parser(sub) -> None:
+    from workbench.replay import add_replay_args
+
+    p = sub.add_parser("replay", help="re-execute a trace and report the first divergence (--out saves the run)")
+    add_replay_args(p)
+    p.set_defaults(func=cmd_replay)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -187,18 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_client_args(p)
     p.set_defaults(func=cmd_client)
-    p = sub.add_parser("replay", help="re-execute a trace and report the first divergence")
-    p.add_argument("trace")
-    p.add_argument("--tolerance", type=float, default=1e-3)
-    p.add_argument("--override", action="append", default=[], metavar="REQ:FIELD=VALUE",
-                   help="change a recorded request's sampling parameter, or engine.FIELD=VALUE")
-    p.add_argument("--device", default=None)
-    p.set_defaults(func=cmd_replay)
-    p = sub.add_parser("diff", help="line two traces up and report the first divergence")
-    p.add_argument("a")
-    p.add_argument("b")
-    p.add_argument("--tolerance", type=float, default=1e-3)
-    p.set_defaults(func=cmd_diff)
+    _add_replay_parser(sub)
+    _add_diff_parser(sub)
+    _add_fork_parser(sub)
+    _add_invariance_parser(sub)
     p = sub.add_parser("export", help="export a trace to Perfetto JSON or a per-token table")
     p.add_argument("trace")
     p.add_argument("--perfetto", metavar="OUT.json")

@@ -15,12 +15,13 @@ from workbench.trace import events as ev
 from workbench.trace.store import TraceWriter
 
 
-def record_hf_trace(path: str, model_spec: str, prompts: list[Any], *, max_new_tokens: int = 32,
+def record_hf_trace(path: str, model_spec: str, prompts: list[Any], *, max_new_tokens: int | list[int] = 32,
                     topk: int = 10, req_ids: list[str] | None = None) -> str:
-    """Greedy `generate()` for each prompt (a string or a chat), written to `path` as a .wbtrace.
+    """Greedy `generate()` for each prompt (a string, a chat, or token ids), written to `path` as a .wbtrace.
 
     `req_ids` names the requests (defaults to the engine's `req-0`, `req-1`, ...) so the two traces
-    line up by id. The model is the stock transformers model (sdpa attention), not the engine's.
+    line up by id; `max_new_tokens` is one limit or one per prompt. The model is the stock
+    transformers model (sdpa attention), not the engine's.
     """
     import torch
     import transformers
@@ -38,8 +39,11 @@ def record_hf_trace(path: str, model_spec: str, prompts: list[Any], *, max_new_t
     writer.set_meta("versions", {"transformers": transformers.__version__, "torch": torch.__version__})
     writer.set_meta("trace_level", "summary")
     step = 0
-    for rid, prompt in zip(ids_list, prompts, strict=True):
-        if isinstance(prompt, str):
+    limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+    for rid, prompt, max_new_tokens in zip(ids_list, prompts, limits, strict=True):
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            prompt_ids = list(prompt)
+        elif isinstance(prompt, str):
             prompt_ids = tok(prompt).input_ids
         else:
             prompt_ids = list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)["input_ids"])

@@ -1,10 +1,11 @@
-"""Replay: re-execute a recorded trace and name the first step where anything differs.
+"""Replay: re-execute a recorded trace, save the replayed run, and name the first difference.
 
-Owns: rebuilding an engine from a trace's meta (refusing a model whose content hash differs),
-re-submitting the recorded requests at their recorded arrival steps, and comparing every step's
-events with the recording, stage by stage: batch composition (schedule, forward_batch), tokens and
-logprobs (within a tolerance), detokenizer output and finish decisions. Stands above `trace/`
-because it needs the engine.
+Owns: comparing a re-execution (workbench/rerun.py rebuilds the engine and re-submits the
+recorded requests) with the recording at one of three levels (`--compare`):
+`steps` compares every step's events stage by stage (batch composition, tokens and logprobs within
+a tolerance, detokenizer output, finish decisions); `tokens` only each request's tokens and
+logprobs, wherever they were produced; `outputs` only each request's final output. A divergence
+names the override it follows from. Stands above `trace/` because it needs the engine.
 """
 
 from __future__ import annotations
@@ -16,9 +17,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from workbench.rerun import build_engine, parse_value, recorded_requests, run_recorded
 from workbench.trace import events as ev
-from workbench.trace.reader import Trace, open_trace
+from workbench.trace.diff import verdict
+from workbench.trace.diff_format import fmt_top
+from workbench.trace.reader import open_trace
 
+COMPARE = ("steps", "tokens", "outputs")
+ENGINE_STAGES = ("schedule", "forward_batch", "spec.draft", "spec.verify", "steps")
 # What is compared at each stage, per event kind: the payload fields that must be equal.
 STAGES: list[tuple[str, str, tuple[str, ...]]] = [
     ("schedule", "schedule", ("mode", "prefill", "decode", "preempted")),
@@ -44,17 +50,21 @@ class Divergence:
     recorded_top: list[Any] = field(default_factory=list)
     replayed_top: list[Any] = field(default_factory=list)
     margin: float | None = None
+    cause: str | None = None  # the override this divergence follows from
+    position: int | None = None
 
     def describe(self) -> str:
         who = f", request {self.req_id}" if self.req_id else ""
-        lines = [f"first divergence at step {self.step}{who}, stage {self.stage!r} (field {self.field!r})",
+        at = f", position {self.position}" if self.position is not None else ""
+        lines = [f"first divergence at step {self.step}{who}{at}, stage {self.stage!r} (field {self.field!r})",
                  f"  recorded: {_short(self.recorded)}", f"  replayed: {_short(self.replayed)}"]
         if self.recorded_top or self.replayed_top:
-            lines.append(f"  recorded top-k: {_fmt_top(self.recorded_top)}")
-            lines.append(f"  replayed top-k: {_fmt_top(self.replayed_top)}")
+            lines.append(f"  recorded top-k: {fmt_top(self.recorded_top)}")
+            lines.append(f"  replayed top-k: {fmt_top(self.replayed_top)}")
         if self.near_tie is not None:
             kind = "a near tie" if self.near_tie else "a real difference"
             lines.append(f"  verdict: {kind} (recorded top-2 margin {self.margin:.3g})")
+        lines.append(f"  follows from: {self.cause}" if self.cause else "  follows from: no override (the run itself)")
         return "\n".join(lines)
 
 
@@ -63,21 +73,34 @@ class ReplayReport:
     steps_compared: int
     tokens_compared: int
     max_logprob_delta: float
-    divergence: Divergence | None
+    divergence: Divergence | None  # the first difference at the `compare` level
     seconds: float = 0.0
+    compare: str = "steps"
+    step_divergence: Divergence | None = None  # the first step-level difference (any level)
+    out: str | None = None
 
     @property
     def identical(self) -> bool:
         return self.divergence is None
 
+    def describe(self) -> str:
+        what = {"steps": "every step", "tokens": "tokens", "outputs": "outputs"}[self.compare]
+        if self.divergence is not None:
+            text = self.divergence.describe()
+        else:
+            text = (f"identical ({what}): {self.steps_compared} steps, {self.tokens_compared} tokens, "
+                    f"max |dlogprob| {self.max_logprob_delta:.2e} ({self.seconds:.1f} s)")
+            d = self.step_divergence
+            if d is not None and self.compare != "steps":
+                who = f" for {d.req_id}" if d.req_id else ""
+                text += (f"\n  the steps differ from step {d.step}{who} (stage {d.stage!r}, field {d.field!r}), "
+                         f"following from {d.cause or 'no override'}")
+        return text + (f"\nreplayed run saved to {self.out}" if self.out else "")
+
 
 def _short(x: Any, n: int = 160) -> str:
     s = json.dumps(x, default=str)
     return s if len(s) <= n else s[: n - 3] + "..."
-
-
-def _fmt_top(top: list[Any]) -> str:
-    return ", ".join(f"{t[2]!r}:{t[1]:.3f}" if len(t) > 2 else f"{t[0]}:{t[1]:.3f}" for t in top[:5])
 
 
 def _apply_overrides(requests: list[dict], engine_cfg: dict, overrides: list[str]) -> None:
@@ -87,7 +110,7 @@ def _apply_overrides(requests: list[dict], engine_cfg: dict, overrides: list[str
         key, eq, raw = assignment.partition("=")
         if not eq or not key:
             raise ValueError(f"override {item!r}: expected REQ:FIELD=VALUE or engine.FIELD=VALUE")
-        value = json.loads(raw) if raw not in ("",) else raw
+        value = parse_value(raw)
         if target == "engine":
             if key not in engine_cfg:
                 raise ValueError(f"override: unknown engine field {key!r}; one of {sorted(engine_cfg)}")
@@ -100,43 +123,23 @@ def _apply_overrides(requests: list[dict], engine_cfg: dict, overrides: list[str
             r["params"][key] = value
 
 
-def _recorded_requests(trace: Trace) -> list[dict[str, Any]]:
-    out = []
-    for e in trace.events(kind="request.added"):
-        out.append({"req_id": e.req_id, "step": e.step, "prompt_ids": e.prompt_ids, "params": dict(e.params),
-                    "parent_id": e.parent_id})
-    return out
-
-
-def _build_engine(trace: Trace, engine_cfg: dict, device: str | None):
-    from workbench.engine.engine import Engine
-    from workbench.models.loader import load_model
-    from workbench.trace.recorder import MemorySink
-
-    model_meta = trace.meta.get("model") or {}
-    spec = model_meta.get("spec") or engine_cfg.get("model")
-    loaded = load_model(spec, device=device or model_meta.get("device", "cpu"), dtype=model_meta.get("dtype"))
-    if model_meta.get("hash") and loaded.content_hash != model_meta["hash"]:
-        raise ValueError(f"model {spec!r} has content hash {loaded.content_hash}, but the trace was recorded with "
-                         f"{model_meta['hash']}: refusing to replay against a different model")
-    sink = MemorySink()
-    keys = ("max_batch_tokens", "chunk_size", "kv_tokens", "max_running", "enable_mixed", "trace_topk", "seed", "spec",
-            "prefix_sharing", "prefix_cache")
-    kwargs = {k: engine_cfg[k] for k in keys if k in engine_cfg}
-    kwargs.setdefault("prefix_sharing", False)  # traces from before it existed ran without it
-    engine = Engine(loaded, trace_level=trace.meta.get("trace_level", "summary"), trace_sinks=[sink], **kwargs)
-    return engine, sink
-
-
-def _submit(engine, reqs: list[dict]) -> None:
-    from workbench.engine.sample.sampling_params import SamplingParams
-
-    groups: dict[str, list[dict]] = defaultdict(list)
-    for r in reqs:
-        groups[r["parent_id"] or r["req_id"]].append(r)
-    for base, group in groups.items():
-        params = SamplingParams.from_dict(group[0]["params"])
-        engine.add_request(list(group[0]["prompt_ids"]), params, req_id=base)
+def _cause(d: Divergence, overrides: list[str]) -> str | None:
+    """The override a divergence follows from: for a difference in the batch's shape an engine
+    override first, otherwise the diverging request's own override first; failing both, another
+    request's override (its new tokens change the batch the others run in)."""
+    engine = [(o, "the batch's shape") for o in overrides if o.startswith("engine.")]
+    own, other = [], []
+    for o in overrides:
+        target = o.partition(":")[0]
+        if o.startswith("engine."):
+            continue
+        if d.req_id is not None and (d.req_id == target or d.req_id.startswith(target + "-")):
+            own.append((o, "that request's sampling"))
+        else:
+            other.append((o, "another request's changed tokens change the batch"))
+    order = engine + own if d.stage in ENGINE_STAGES or d.req_id is None else own + engine
+    order += other
+    return f"--override {order[0][0]} ({order[0][1]})" if order else None
 
 
 def _index(events: list[ev.Event]) -> dict[tuple[str, str | None], list[ev.Event]]:
@@ -161,81 +164,147 @@ def compare_step(step: int, recorded: list[ev.Event], replayed: list[ev.Event], 
                 for f in fields:
                     va, vb = getattr(ea, f), getattr(eb, f)
                     if va != vb:
-                        return _divergence(step, rid, stage, f, va, vb, a, b, tolerance), tokens, max_delta
+                        return _divergence(step, rid, stage, f, va, vb, ea, eb, tolerance), tokens, max_delta
                 if kind == "token":
                     tokens += 1
                     if ea.logprob is not None and eb.logprob is not None:
                         delta = abs(ea.logprob - eb.logprob)
                         max_delta = max(max_delta, delta)
                         if delta > tolerance:
-                            return (_divergence(step, rid, stage, "logprob", ea.logprob, eb.logprob, a, b, tolerance),
-                                    tokens, max_delta)
+                            return (_divergence(step, rid, stage, "logprob", ea.logprob, eb.logprob, ea, eb,
+                                                tolerance), tokens, max_delta)
     return None, tokens, max_delta
 
 
-def _divergence(step, rid, stage, f, va, vb, a, b, tolerance) -> Divergence:
+def _divergence(step, rid, stage, f, va, vb, ea, eb, tolerance) -> Divergence:
     d = Divergence(step, rid, stage, f, va, vb)
-    ta, tb = a.get(("token", rid)), b.get(("token", rid))
-    if ta or tb:
-        d.recorded_top = list(ta[0].top_logprobs) if ta else []
-        d.replayed_top = list(tb[0].top_logprobs) if tb else []
-        top = d.recorded_top
-        if len(top) >= 2 and top[0][1] is not None and top[1][1] is not None:
-            d.margin = float(top[0][1] - top[1][1])
-            d.near_tie = d.margin < tolerance
+    if isinstance(ea, ev.TokenChosen) and isinstance(eb, ev.TokenChosen):
+        d.position = ea.position
+        d.recorded_top, d.replayed_top = list(ea.top_logprobs), list(eb.top_logprobs)
+        v = verdict(d.recorded_top, ea.token_id, eb.token_id if eb.token_id != ea.token_id else -1, tolerance)
+        d.margin, d.near_tie = v.margin, v.near_tie
     return d
 
 
+def _tokens(events: list[ev.Event]) -> dict[str, list[ev.TokenChosen]]:
+    out: dict[str, list[ev.TokenChosen]] = defaultdict(list)
+    for e in events:
+        if e.kind == "token":
+            out[e.req_id].append(e)
+    for toks in out.values():
+        toks.sort(key=lambda e: e.position)
+    return out
+
+
+def compare_tokens(recorded: list[ev.Event], replayed: list[ev.Event], tolerance: float
+                   ) -> tuple[Divergence | None, int, float]:
+    """Each request's tokens (and logprobs within `tolerance`), wherever in the run they came."""
+    a, b = _tokens(recorded), _tokens(replayed)
+    found, tokens, max_delta = [], 0, 0.0
+    for rid in sorted(set(a) | set(b)):
+        ta, tb = a.get(rid, []), b.get(rid, [])
+        for ea, eb in zip(ta, tb):
+            tokens += 1
+            delta = abs(ea.logprob - eb.logprob) if ea.logprob is not None and eb.logprob is not None else 0.0
+            max_delta = max(max_delta, delta)
+            if ea.token_id != eb.token_id or delta > tolerance:
+                f = "token_id" if ea.token_id != eb.token_id else "logprob"
+                found.append(_divergence(eb.step, rid, "token", f, getattr(ea, f), getattr(eb, f), ea, eb, tolerance))
+                break
+        else:
+            if len(ta) != len(tb):
+                step = (tb[len(ta)] if len(tb) > len(ta) else ta[len(tb)]).step
+                found.append(Divergence(step, rid, "token", "count", len(ta), len(tb), position=min(len(ta), len(tb))))
+    return min(found, key=lambda d: d.step, default=None), tokens, max_delta
+
+
+def compare_outputs(recorded: list[ev.Event], replayed: list[ev.Event], tolerance: float) -> Divergence | None:
+    """Each request's final output: token ids, text and finish reason."""
+    fa = {e.req_id: e for e in recorded if e.kind == "request.finished"}
+    fb = {e.req_id: e for e in replayed if e.kind == "request.finished"}
+    for rid in sorted(set(fa) | set(fb)):
+        ea, eb = fa.get(rid), fb.get(rid)
+        if ea is None or eb is None:
+            return Divergence((ea or eb).step, rid, "finish", "finished", ea is not None, eb is not None)
+        for f in ("output_ids", "text", "finish_reason"):
+            if getattr(ea, f) != getattr(eb, f):
+                d = Divergence(eb.step, rid, "finish", f, getattr(ea, f), getattr(eb, f))
+                if f == "output_ids":  # the verdict at the first differing token
+                    tok, _, _ = compare_tokens([e for e in recorded if e.req_id == rid],
+                                               [e for e in replayed if e.req_id == rid], float("inf"))
+                    if tok is not None:
+                        d.position, d.recorded_top, d.replayed_top = tok.position, tok.recorded_top, tok.replayed_top
+                        d.margin, d.near_tie = tok.margin, tok.near_tie
+                return d
+    return None
+
+
 def replay(path: str, *, overrides: list[str] | None = None, tolerance: float = 1e-3, device: str | None = None,
-           progress: bool = True) -> ReplayReport:
+           progress: bool = True, compare: str = "steps", out: str | None = None) -> ReplayReport:
+    """Re-execute `path`; compare at `compare` level (steps | tokens | outputs); save the run to `out`."""
     import time
 
     from tqdm.auto import tqdm
 
+    if compare not in COMPARE:
+        raise ValueError(f"compare must be one of {', '.join(COMPARE)}, got {compare!r}")
+    overrides = list(overrides or [])
     t0 = time.perf_counter()
     with open_trace(path) as trace:
         engine_cfg = dict(trace.meta.get("engine") or {})
-        requests = _recorded_requests(trace)
+        requests = recorded_requests(trace)
         if not requests:
             raise ValueError(f"trace {path!r} records no requests: nothing to replay")
-        _apply_overrides(requests, engine_cfg, overrides or [])
-        engine, sink = _build_engine(trace, engine_cfg, device)
-        pending = sorted(requests, key=lambda r: r["step"])
+        _apply_overrides(requests, engine_cfg, overrides)
+        engine, sink = build_engine(trace, engine_cfg, device, out)
+        if out is not None:
+            engine.tracer.set_meta("replay", {"parent": str(path), "overrides": overrides})
         num_steps = trace.num_steps
         bar = tqdm(total=num_steps, disable=not progress, desc="replaying", unit="step")
         compared = tokens = 0
-        max_delta = 0.0
-        divergence = None
-        while pending or engine.has_work():
-            due = [r for r in pending if r["step"] <= engine.step_no + 1]
-            if not due and not engine.has_work():  # an idle engine does not count steps: next arrivals now
-                due = [r for r in pending if r["step"] == pending[0]["step"]]
-            if due:
-                pending = [r for r in pending if r not in due]
-                _submit(engine, due)
-            sink.events.clear()
-            engine.step()
-            step = engine.step_no
+        max_delta, first = 0.0, None
+        recorded_all: list[ev.Event] = []
+        for step, replayed in run_recorded(engine, sink, requests):
             recorded = [e for e in trace.step(step) if e.kind != "request.added"]
-            replayed = [e for e in sink.events if e.step == step and e.kind != "request.added"]
-            divergence, n, delta = compare_step(step, recorded, replayed, tolerance)
-            compared, tokens, max_delta = compared + 1, tokens + n, max(max_delta, delta)
+            recorded_all += recorded
+            if first is None:
+                first, n, delta = compare_step(step, recorded, replayed, tolerance)
+                compared, tokens, max_delta = compared + 1, tokens + n, max(max_delta, delta)
             bar.update(1)
-            if divergence is not None:
-                break
-        if divergence is None and engine.step_no != num_steps:
-            divergence = Divergence(engine.step_no, None, "steps", "num_steps", num_steps, engine.step_no)
+            if first is not None and compare == "steps" and out is None:
+                break  # nothing more to learn, nothing to save
+        if first is None and engine.step_no != num_steps:
+            first = Divergence(engine.step_no, None, "steps", "num_steps", num_steps, engine.step_no)
+        recorded_all += [e for s in range(engine.step_no + 1, num_steps + 1) for e in trace.step(s)]
+        replayed_all = list(sink.events)
         bar.close()
         engine.close()
-    return ReplayReport(compared, tokens, max_delta, divergence, time.perf_counter() - t0)
+    if first is not None:
+        first.cause = _cause(first, overrides)
+    divergence = first
+    if compare == "tokens":
+        divergence, tokens, max_delta = compare_tokens(recorded_all, replayed_all, tolerance)
+    elif compare == "outputs":
+        divergence = compare_outputs(recorded_all, replayed_all, tolerance)
+    if divergence is not None and divergence is not first:
+        divergence.cause = _cause(divergence, overrides)
+    steps = compared if compare == "steps" else engine.step_no  # tokens/outputs: every step ran and counted
+    return ReplayReport(steps, tokens, max_delta, divergence, time.perf_counter() - t0, compare, first, out)
 
 
 def main(args: argparse.Namespace) -> int:
     report = replay(args.trace, overrides=args.override, tolerance=args.tolerance, device=args.device,
-                    progress=sys.stderr.isatty())
-    if report.identical:
-        print(f"identical: {report.steps_compared} steps, {report.tokens_compared} tokens, max |dlogprob| "
-              f"{report.max_logprob_delta:.2e} ({report.seconds:.1f} s)")
-        return 0
-    print(report.divergence.describe())
-    return 1
+                    progress=sys.stderr.isatty(), compare=args.compare, out=args.out)
+    print(report.describe())
+    return 0 if report.identical else 1
+
+
+def add_replay_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace")
+    p.add_argument("--tolerance", type=float, default=1e-3)
+    p.add_argument("--override", action="append", default=[], metavar="REQ:FIELD=VALUE",
+                   help="change a recorded request's sampling parameter, or engine.FIELD=VALUE")
+    p.add_argument("--compare", choices=COMPARE, default="steps",
+                   help="what must match: every step's events (default), each request's tokens, or final outputs")
+    p.add_argument("--out", default=None, metavar="R.wbtrace", help="save the replayed run as a trace")
+    p.add_argument("--device", default=None)

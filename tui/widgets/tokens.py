@@ -13,7 +13,7 @@ import math
 from rich.console import Group, RenderableType
 from rich.text import Text
 
-from tui.fmt import bar, legend, num, p_style, quote, visible
+from tui.fmt import BRANCH_MARK, bar, legend, num, p_style, quote, visible
 from tui.stepview import RequestData
 from tui.widgets.base import Pane, PaneContext
 from workbench.trace.events import TokenChosen
@@ -44,6 +44,9 @@ def chips(data: RequestData, step: int | None, selected: int | None, hit_positio
             style += " reverse bold underline"
         if tok.position in hit_positions:
             style += " underline"
+        if tok.source == "forced":  # a fork's branch point: the token was forced, not sampled
+            out.append(BRANCH_MARK, "bold magenta")
+            style += " italic"
         out.append(visible(tok.text) or "∅", style)
         if "\n" in tok.text:
             out.append("\n")

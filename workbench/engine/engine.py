@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from workbench.engine import tracing
+from workbench.engine import tracing, whatif
 from workbench.engine.config import CpuKernels, EngineConfig
 from workbench.engine.output.finish import FinishResult
 from workbench.engine.output.output import RequestOutput, StepOutput
@@ -392,6 +392,18 @@ class Engine:
     @property
     def memory_sink(self) -> MemorySink | None:
         return next((s for s in self.tracer.sinks if isinstance(s, MemorySink)), None)
+
+    # --- what-if hooks (workbench fork; logic in whatif.py) -----------------------------------
+
+    def force_token(self, req_id: str, position: int, token: int) -> None:
+        """`token` becomes output `position` (0-based) of `req_id`, not the sampler's draw (traced as "forced")."""
+        req = whatif.live(self.reqs, req_id, "force_token")
+        whatif.force_token(req, position, token, self.vocab_size, speculative=self.spec is not None)
+
+    def update_params(self, req_id: str, **changes: Any) -> SamplingParams:
+        """Change a queued or running request's sampling parameters for its following steps."""
+        req = whatif.live(self.reqs, req_id, "update_params")
+        return whatif.update_params(req, changes, self.vocab_size, self.scheduler.check_fits)
 
 
 def _progress(enabled: bool, total: int):

@@ -209,7 +209,8 @@ class TraceObserver:
             tops = [[tid, v, text(tid)] for tid, v in zip(top_ids[i], lp_vals[i])]
             self.emit(ev.TokenChosen(
                 step=step, req_id=req.req_id, t=t, position=position, token_id=tok, text=text(tok),
-                logprob=_finite(sample.logprobs[i]), rank=sample.ranks[i], top_logprobs=tops))
+                logprob=_finite(sample.logprobs[i]), rank=sample.ranks[i], top_logprobs=tops,
+                source="forced" if i in sample.forced else "sample"))
 
     def output_processed(self, ctx: StepContext, req: Req, token: int, detok: Any, decision: Any) -> None:
         """One appended token went through the detokenizer and the finish checks."""

@@ -27,9 +27,10 @@ from workbench.notebook.tutorial import (
     stage_table,
 )
 from workbench.notebook.viewer import PANELS, TraceViewer
+from workbench.notebook.whatif import DiffView, InvarianceView
 
 __all__ = [
-    "PANELS", "EventSource", "LiveView", "RequestView", "TraceSource", "TraceViewer", "acceptance_by_position",
+    "PANELS", "DiffView", "EventSource", "InvarianceView", "LiveView", "RequestView", "TraceSource", "TraceViewer", "acceptance_by_position",
     "acceptance_figure", "as_source", "batch_figure", "compare_figure", "detok_table", "divergence_figure",
     "final_distribution", "finish_figure", "rejections", "show_token", "spec_figure", "stage", "stage_table",
     "stages_figure", "tokens_figure",

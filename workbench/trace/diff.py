@@ -1,9 +1,11 @@
-"""Diff two traces: line them up by request and output position, report the first divergence,
-logprob deltas, top-k set changes and the KL divergence per position.
+"""Diff two traces: line them up by request and output position, report the first divergence with
+a near-tie / real verdict and both sides' top-k there, logprob deltas, top-k set changes and the KL
+divergence per position (only where both sides recorded a distribution).
 
-Owns: comparing what two runs produced (engine vs engine, or engine vs the transformers adapter).
-Does not own: re-execution (workbench/replay.py). Reads only `token` and `request.*` events, so it
-works across traces with different batching, chunking or speculation.
+Owns: comparing what two runs produced (engine vs engine, parent vs fork, or engine vs the
+transformers adapter) and the near-tie verdict that `workbench replay` shares. Does not own:
+re-execution (workbench/replay.py) or the text report (trace/diff_format.py). Reads only `token`
+and `request.*` events, so it works across traces with different batching, chunking or speculation.
 """
 
 from __future__ import annotations
@@ -13,6 +15,42 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workbench.trace.reader import Trace
+
+CONTINUATION_TOKENS = 24  # tokens of each side's continuation kept after the first divergence
+
+
+@dataclass(slots=True)
+class Verdict:
+    """Why two runs chose different tokens at one position: a near tie or a real difference.
+
+    `margin` is how much side A preferred its own token over B's, in A's logprobs (from A's top-k;
+    None when A recorded no distribution or B's token is not in it)."""
+
+    margin: float | None
+    near_tie: bool | None
+    forced: bool = False  # B's token was forced (a fork's branch point), not chosen
+
+    def describe(self) -> str:
+        if self.forced:
+            why = f"; A preferred its own token by {self.margin:.3g} nats" if self.margin is not None else ""
+            return f"forced (the fork's branch point{why})"
+        if self.near_tie is None:
+            return "unknown (a side recorded no top-k distribution here)"
+        kind = "a near tie" if self.near_tie else "a real difference"
+        return f"{kind} (top-2 margin {self.margin:.3g} nats)"
+
+
+def verdict(top_a: list[Any], token_a: int, token_b: int, tolerance: float) -> Verdict:
+    """Near tie when A's logprob of its token exceeds that of B's token by less than `tolerance`
+    (B's token missing from A's top-k: the margin to A's runner-up is a lower bound)."""
+    lps = {int(t[0]): t[1] for t in top_a if t[1] is not None}
+    if token_a not in lps or len(lps) < 2:
+        return Verdict(None, None)
+    if token_b in lps:
+        margin = float(lps[token_a] - lps[token_b])
+    else:
+        margin = float(lps[token_a] - max(v for k, v in lps.items() if k != token_a))
+    return Verdict(margin, margin < tolerance)
 
 
 @dataclass(slots=True)
@@ -30,6 +68,9 @@ class PositionDiff:
     logprob_delta: float | None
     topk_changed: bool
     kl: float | None
+    top_a: list[Any] = field(default_factory=list)
+    top_b: list[Any] = field(default_factory=list)
+    verdict: Verdict | None = None  # set at the first divergence
 
 
 @dataclass(slots=True)
@@ -41,9 +82,16 @@ class RequestDiff:
     len_b: int
     first_divergence: PositionDiff | None
     max_logprob_delta: float
-    mean_kl: float
+    mean_kl: float | None  # None: no position had a distribution on both sides
     topk_changes: int
     positions: list[PositionDiff] = field(default_factory=list)
+    kl_undefined: str | None = None  # why KL is missing at some positions ("A has no top-k", ...)
+    continuation_a: str = ""  # the text from the first divergence on (the whole output without one)
+    continuation_b: str = ""
+
+    @property
+    def shared_prefix(self) -> int:
+        return self.first_divergence.position if self.first_divergence else min(self.len_a, self.len_b)
 
 
 @dataclass(slots=True)
@@ -51,6 +99,7 @@ class DiffReport:
     requests: list[RequestDiff]
     only_in_a: list[str]
     only_in_b: list[str]
+    fork: dict[str, Any] | None = None  # B's (or A's) fork meta when one is a fork of the other
 
     @property
     def first_divergence(self) -> PositionDiff | None:
@@ -61,6 +110,12 @@ class DiffReport:
     def identical(self) -> bool:
         return (self.first_divergence is None and not self.only_in_a and not self.only_in_b
                 and all(r.len_a == r.len_b for r in self.requests))
+
+    def request(self, req_id: str) -> RequestDiff:
+        for r in self.requests:
+            if r.req_id == req_id:
+                return r
+        raise KeyError(req_id)
 
 
 def _tokens_by_request(trace: Trace) -> dict[str, list[Any]]:
@@ -73,7 +128,8 @@ def _tokens_by_request(trace: Trace) -> dict[str, list[Any]]:
 
 
 def _kl(top_a: list[list[Any]], top_b: list[list[Any]]) -> float | None:
-    """KL(A || B) over the union of both top-k sets, each renormalised; mass outside a set is floored."""
+    """KL(A || B) over the union of both top-k sets, each renormalised; mass outside a set is floored.
+    None when a side recorded no distribution (KL is not defined there)."""
     pa = {int(t[0]): math.exp(t[1]) for t in top_a if t[1] is not None}
     pb = {int(t[0]): math.exp(t[1]) for t in top_b if t[1] is not None}
     if not pa or not pb:
@@ -89,29 +145,41 @@ def _kl(top_a: list[list[Any]], top_b: list[list[Any]]) -> float | None:
     return max(kl, 0.0)
 
 
-def _diff_request(rid_a: str, rid_b: str, ta: list[Any], tb: list[Any]) -> RequestDiff:
+def _no_distribution(ea: Any, eb: Any) -> str | None:
+    sides = [s for s, e in (("A", ea), ("B", eb)) if not any(t[1] is not None for t in e.top_logprobs)]
+    return " and ".join(sides) + (" has" if len(sides) == 1 else " have") + " no top-k distribution" if sides else None
+
+
+def _text(events: list[Any]) -> str:
+    return "".join(e.text for e in events[:CONTINUATION_TOKENS])
+
+
+def _diff_request(rid_a: str, rid_b: str, ta: list[Any], tb: list[Any], tolerance: float) -> RequestDiff:
     positions, first = [], None
-    max_delta, kls, changes = 0.0, [], 0
+    max_delta, kls, changes, undefined = 0.0, [], 0, None
     for ea, eb in zip(ta, tb):
         delta = (abs(ea.logprob - eb.logprob) if ea.logprob is not None and eb.logprob is not None else None)
-        set_a = {int(t[0]) for t in ea.top_logprobs}
-        set_b = {int(t[0]) for t in eb.top_logprobs}
-        n = min(len(set_a), len(set_b))
+        n = min(len(ea.top_logprobs), len(eb.top_logprobs))
         changed = n > 0 and [int(t[0]) for t in ea.top_logprobs[:n]] != [int(t[0]) for t in eb.top_logprobs[:n]]
         kl = _kl(ea.top_logprobs, eb.top_logprobs)
         pd_ = PositionDiff(rid_a, ea.position, ea.step, eb.step, ea.token_id, eb.token_id, ea.text, eb.text,
-                           delta, changed, kl)
+                           delta, changed, kl, list(ea.top_logprobs), list(eb.top_logprobs))
         positions.append(pd_)
         max_delta = max(max_delta, delta or 0.0)
         changes += int(changed)
         if kl is not None:
             kls.append(kl)
-        if first is None and ea.token_id != eb.token_id:
+        else:
+            undefined = undefined or _no_distribution(ea, eb)
+        if ea.token_id != eb.token_id:
             first = pd_
-        if first is not None:
+            pd_.verdict = verdict(ea.top_logprobs, ea.token_id, eb.token_id, tolerance)
+            pd_.verdict.forced = getattr(eb, "source", "") == "forced"
             break  # after a different token the two runs condition on different text
+    at = first.position if first else len(positions)
     return RequestDiff(rid_a, rid_b, len(positions), len(ta), len(tb), first, max_delta,
-                       sum(kls) / len(kls) if kls else 0.0, changes, positions)
+                       sum(kls) / len(kls) if kls else None, changes, positions, undefined,
+                       _text(ta[at:]), _text(tb[at:]))
 
 
 def diff_traces(a: Trace, b: Trace, tolerance: float = 1e-3) -> DiffReport:
@@ -126,25 +194,26 @@ def diff_traces(a: Trace, b: Trace, tolerance: float = 1e-3) -> DiffReport:
     else:
         pairs = list(zip(ids_a, ids_b))
         only_a, only_b = ids_a[len(pairs):], ids_b[len(pairs):]
-    reqs = [_diff_request(ra, rb, toks_a.get(ra, []), toks_b.get(rb, [])) for ra, rb in pairs]
-    return DiffReport(reqs, only_a, only_b)
+    reqs = [_diff_request(ra, rb, toks_a.get(ra, []), toks_b.get(rb, []), tolerance) for ra, rb in pairs]
+    return DiffReport(reqs, only_a, only_b, _fork_of(b, a) or _fork_of(a, b))
+
+
+def _fork_of(child: Trace, parent: Trace) -> dict[str, Any] | None:
+    """`child`'s fork meta when `child` is a fork of `parent` (same file, or the same name)."""
+    import os
+
+    fork = child.meta.get("fork")
+    if not isinstance(fork, dict) or not fork.get("parent"):
+        return None
+    named, path = str(fork["parent"]), str(getattr(parent, "path", ""))
+    try:
+        same = os.path.samefile(named, path)
+    except OSError:
+        same = os.path.basename(named) == os.path.basename(path)
+    return fork if same else None
 
 
 def format_report(report: DiffReport) -> str:
-    lines = []
-    first = report.first_divergence
-    if first is None:
-        lines.append("no token differs" + ("" if report.identical else " (but the runs differ in length or requests)"))
-    else:
-        lines.append(f"first divergence: request {first.req_id}, position {first.position} "
-                     f"(step {first.step_a} in A, {first.step_b} in B): {first.text_a!r} ({first.token_a}) vs "
-                     f"{first.text_b!r} ({first.token_b})")
-    lines.append(f"{'request':<16} {'compared':>8} {'len A':>6} {'len B':>6} {'max|dlp|':>9} {'mean KL':>9} {'top-k chg':>9}")
-    for r in report.requests:
-        lines.append(f"{r.req_id:<16} {r.compared:>8} {r.len_a:>6} {r.len_b:>6} {r.max_logprob_delta:>9.2e} "
-                     f"{r.mean_kl:>9.2e} {r.topk_changes:>9}")
-    for rid in report.only_in_a:
-        lines.append(f"only in A: {rid}")
-    for rid in report.only_in_b:
-        lines.append(f"only in B: {rid}")
-    return "\n".join(lines)
+    from workbench.trace.diff_format import format_report as fmt
+
+    return fmt(report)

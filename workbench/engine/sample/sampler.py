@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -139,6 +139,18 @@ class SamplerOutput:
     stages: list[list[dict[str, Any]]] | None  # per row, one dict per stage (when traced)
     raw_logprobs: torch.Tensor | None  # [R, V] log-softmax of the model's logits (None: not computed)
     token_ids_logprobs: list[dict[int, float]]
+    forced: list[int] = field(default_factory=list)  # rows whose token was forced (Engine.force_token)
+
+
+def _force(ids: torch.Tensor, info: SamplingBatchInfo) -> tuple[torch.Tensor, list[int]]:
+    """Replace the sampled id of every row whose request has a forced token at that output position."""
+    rows = [(r, req.forced_tokens[p]) for r, (req, pre) in enumerate(zip(info.reqs, info.prefixes))
+            if req.forced_tokens and (p := len(req.output_ids) + len(pre)) in req.forced_tokens]
+    if rows:
+        ids = ids.clone()
+        for r, token in rows:
+            ids[r] = token
+    return ids, [r for r, _ in rows]
 
 
 def _rows(mask: torch.Tensor) -> torch.Tensor:
@@ -318,9 +330,9 @@ class Sampler:
         rows = logits.shape[0]
         if not (trace_topk or info.wants_logprobs or info.needs_stages):
             # untraced greedy rows nobody asked logprobs of: the argmax is all (as vLLM does)
-            ids = logits.argmax(dim=-1)
+            ids, forced = _force(logits.argmax(dim=-1), info)
             return SamplerOutput(ids.tolist(), [math.nan] * rows, [0] * rows, [[] for _ in range(rows)],
-                                 [None] * rows, None, None, [{} for _ in range(rows)])
+                                 [None] * rows, None, None, [{} for _ in range(rows)], forced)
         raw_lp = torch.log_softmax(logits, dim=-1)
         recorder = StageRecorder(trace_topk, logits, info, raw_lp) if trace_topk and rows else None
         if info.needs_stages or (recorder is not None and info.any_stage_applied()):
@@ -331,9 +343,10 @@ class Sampler:
             final, ids, draws = None, logits.argmax(dim=-1), [None] * rows
             for stage in self.stage_order if recorder is not None else ():
                 recorder.record(stage, logits)  # applies to no row: repeats the logits record
+        ids, forced = _force(ids, info)
         lp = raw_lp
         if final is not None and bool(info.processed.any()):
             lp = torch.where(info.processed[:, None], torch.log_softmax(final, dim=-1), raw_lp)
         facts = lp_mod.token_logprobs(lp, ids, info.need_top_logprobs, info.token_ids_logprob)
         return SamplerOutput(ids.tolist(), facts.logprobs, facts.ranks, facts.top, draws,
-                             recorder.rows if recorder is not None else None, raw_lp, facts.token_ids)
+                             recorder.rows if recorder is not None else None, raw_lp, facts.token_ids, forced)

@@ -66,6 +66,7 @@ class Req:
     text: str = ""
     timing: Any = None  # timing.ReqTiming: where this request's time went
     stream_deltas: list[str] = field(default_factory=list)
+    forced_tokens: dict[int, int] = field(default_factory=dict)  # output position -> token (Engine.force_token)
 
     @property
     def fill_ids(self) -> list[int]:

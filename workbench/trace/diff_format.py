@@ -1,0 +1,72 @@
+"""The text report of a trace diff (`workbench diff A B`): the first divergence with its verdict and
+both sides' top-k, a parent/fork summary (shared prefix, branch point, both continuations), and a
+table per request. Owns wording only; the comparison is trace/diff.py's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workbench.trace.diff import DiffReport, PositionDiff, RequestDiff
+
+
+def fmt_top(top: list[Any], n: int = 5) -> str:
+    """`'text':logprob, ...` of a recorded top-k list ([[id, logprob, text], ...])."""
+    if not top:
+        return "(none recorded)"
+    return ", ".join(f"{t[2]!r}:{t[1]:.3f}" if len(t) > 2 and t[1] is not None else f"{t[0]}:{t[1]}" for t in top[:n])
+
+
+def describe_divergence(first: PositionDiff) -> list[str]:
+    lines = [f"first divergence: request {first.req_id}, position {first.position} "
+             f"(step {first.step_a} in A, {first.step_b} in B): {first.text_a!r} ({first.token_a}) vs "
+             f"{first.text_b!r} ({first.token_b})",
+             f"  A top-k: {fmt_top(first.top_a)}", f"  B top-k: {fmt_top(first.top_b)}"]
+    if first.verdict is not None:
+        lines.append(f"  verdict: {first.verdict.describe()}")
+    if first.kl is None:
+        lines.append("  KL: not defined here (a side has no top-k distribution)")
+    return lines
+
+
+def _fork_lines(report: DiffReport) -> list[str]:
+    fork = report.fork or {}
+    rid, pos = fork.get("req_id"), fork.get("position")
+    try:
+        r = report.request(rid)
+    except KeyError:
+        return [f"fork of {fork.get('parent')!r} at {rid}:{pos}, but no such request here"]
+    what = [f"forced token {fork['token_text']!r} ({fork['token']})"] if fork.get("token") is not None else []
+    what += [f"set {k}={v}" for k, v in (fork.get("set") or {}).items()]
+    others = [x for x in report.requests if x.req_id != rid]
+    same = sum(1 for x in others if x.first_divergence is None and x.len_a == x.len_b)
+    return [f"fork of {fork.get('parent')!r} at {rid}:{pos} ({', '.join(what) or 'no change'})",
+            f"  shared prefix: {r.shared_prefix} tokens of {rid}; other requests identical: {same}/{len(others)}",
+            f"  A continues: {r.continuation_a!r}", f"  B continues: {r.continuation_b!r}"] + (
+        ["  (the fork ran without speculative decoding, which the parent used)"] if fork.get("spec_disabled") else [])
+
+
+def _row(r: RequestDiff) -> str:
+    kl = "n/a" if r.mean_kl is None else f"{r.mean_kl:.2e}"
+    return (f"{r.req_id:<16} {r.compared:>8} {r.len_a:>6} {r.len_b:>6} {r.max_logprob_delta:>9.2e} "
+            f"{kl:>9} {r.topk_changes:>9}")
+
+
+def format_report(report: DiffReport) -> str:
+    lines = []
+    if report.fork:
+        lines += _fork_lines(report)
+    first = report.first_divergence
+    if first is None:
+        lines.append("no token differs" + ("" if report.identical else " (but the runs differ in length or requests)"))
+    else:
+        lines += describe_divergence(first)
+    lines.append(f"{'request':<16} {'compared':>8} {'len A':>6} {'len B':>6} {'max|dlp|':>9} {'mean KL':>9} "
+                 f"{'top-k chg':>9}")
+    lines += [_row(r) for r in report.requests]
+    undefined = sorted({r.kl_undefined for r in report.requests if r.kl_undefined})
+    for why in undefined:
+        lines.append(f"KL not defined where {why}")
+    lines += [f"only in A: {rid}" for rid in report.only_in_a]
+    lines += [f"only in B: {rid}" for rid in report.only_in_b]
+    return "\n".join(lines)
