@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--send-timeout", type=float, default=60.0,
                         help="seconds one blocked write may take before the request is aborted (0: no limit)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_hardening_args(parser)
+
+
+def add_hardening_args(parser: argparse.ArgumentParser) -> None:
+    """Limits one client cannot get past (issue 19): admission, hosts, headers."""
+    parser.add_argument("--max-prompts-per-request", type=int, default=2048,
+                        help="prompts one /v1/completions request may carry (0: no limit)")
+    parser.add_argument("--max-request-tokens", type=int, default=1 << 20,
+                        help="tokens one request may ask for, prompts x n x max_tokens (0: no limit)")
+    parser.add_argument("--allowed-hosts", default=None,
+                        help="comma-separated Host names the server answers (default: loopback names, plus "
+                             "--host when it is not a wildcard; '*' allows any, as behind a proxy)")
+    parser.add_argument("--max-request-headers", type=int, default=100,
+                        help="request headers one request may carry (uvicorn's h11 limit is per line)")
 
 
 def is_loopback(host: str) -> bool:
@@ -74,6 +89,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
     except ValueError as exc:
         flag = "--stream-buffer-bytes" if "max_buffer_bytes" in str(exc) else "--send-timeout"
         raise ValueError(f"{flag}: {exc}") from None
+    admission = hardening_options(args)
     hub = EventHub()
     sinks: list[Any] = [hub]
     writer, trace_dir = None, None
@@ -91,12 +107,53 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
                     prefix_cache=getattr(args, "prefix_cache", False))
     app = create_app(engine, model_name=args.served_model_name or args.model, hub=hub, trace_dir=trace_dir,
                      trace_writer=writer, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     default_max_tokens=args.default_max_tokens, close_engine=True, stream_limits=limits)
+                     default_max_tokens=args.default_max_tokens, close_engine=True, stream_limits=limits,
+                     admission=admission.limits, allowed_hosts=admission.hosts,
+                     max_headers=admission.max_headers)
     return engine, app
+
+
+@dataclass(frozen=True, slots=True)
+class HardeningOptions:
+    """The issue-19 flags, checked before the model loads."""
+
+    limits: Any  # AdmissionLimits
+    hosts: list[str]  # "*" among them: any host
+    max_headers: int
+
+
+def allowed_hosts(value: str | None, bind: str) -> list[str]:
+    """The Host names to answer: `--allowed-hosts` (added to the loopback names), or the loopback
+    names and a specific --host."""
+    names = ["localhost", "127.0.0.1", "[::1]"]
+    if value is not None:
+        return names + [h.strip().lower() for h in value.split(",") if h.strip()]
+    if bind not in ("0.0.0.0", "::", "") and bind.lower() not in names:
+        names.append(bind.lower())
+    return names
+
+
+def hardening_options(args: argparse.Namespace) -> HardeningOptions:
+    from workbench.server.admission import AdmissionLimits
+
+    prompts = getattr(args, "max_prompts_per_request", 2048)
+    tokens = getattr(args, "max_request_tokens", 1 << 20)
+    try:
+        limits = AdmissionLimits(max_prompts=prompts, max_tokens=tokens)
+    except ValueError as exc:
+        flag = "--max-prompts-per-request" if "max_prompts" in str(exc) else "--max-request-tokens"
+        raise ValueError(f"{flag}: {exc}") from None
+    headers = getattr(args, "max_request_headers", 100)
+    if isinstance(headers, bool) or not isinstance(headers, int) or headers < 1:
+        raise ValueError(f"--max-request-headers: must be an integer >= 1, got {headers!r}")
+    return HardeningOptions(limits, allowed_hosts(getattr(args, "allowed_hosts", None), getattr(args, "host", "")),
+                            headers)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
+
+    from workbench.server.guard import redact_access_log
 
     if not is_loopback(args.host) and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use the engine",
@@ -119,6 +176,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.graceful_timeout)
+    redact_access_log()  # after uvicorn configured its loggers
     try:
         DrainingServer(config).run()  # on SIGTERM uvicorn re-raises the signal after shutdown: the
     finally:                          # app's lifespan closes the engine (and its trace) before that

@@ -25,6 +25,7 @@ from workbench.server.protocol import CompletionChoice, CompletionRequest, Compl
 from workbench.server.serving import (
     ServerState,
     build_params,
+    check_max_tokens,
     check_model,
     finish_reason,
     new_id,
@@ -56,6 +57,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     check_model(state, req.model)
     _check_unsupported(req)
     top = req.logprobs or 0
+    check_max_tokens(state, req.max_tokens or DEFAULT_MAX_TOKENS)
     params = build_params(req, max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=req.logprobs is not None,
                           top_logprobs=top, vocab_size=state.engine.vocab_size, prompt_param="prompt")
     req_id = new_id("cmpl")
