@@ -3,7 +3,7 @@
 Owns: `add_serve_args(parser)` (importable without FastAPI, so `workbench --help` stays fast),
 `run_serve(args)` (builds the engine with the live-event hub and, with `--trace-dir`, a trace file
 per run as its only trace sinks, so nothing accumulates in memory; serves it with uvicorn; on
-SIGINT/SIGTERM refuses new requests with 503 while running ones finish), and `serve_main(argv)`.
+SIGINT/SIGTERM drains: drain.py), and `serve_main(argv)`.
 Does not own: the app (app.py).
 """
 
@@ -153,6 +153,7 @@ def hardening_options(args: argparse.Namespace) -> HardeningOptions:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from workbench.server.drain import FLUSH_WAIT, DrainingServer
     from workbench.server.guard import redact_access_log
 
     if not is_loopback(args.host) and not args.api_key:
@@ -169,17 +170,14 @@ def run_serve(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
 
-    class DrainingServer(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            state.loop.begin_drain()  # new requests get 503 while running ones finish
-            super().handle_exit(sig, frame)
-
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.graceful_timeout)
+                            timeout_graceful_shutdown=FLUSH_WAIT + 1.0)  # the drain itself is DrainingServer's
     redact_access_log()  # after uvicorn configured its loggers
     try:
-        DrainingServer(config).run()  # on SIGTERM uvicorn re-raises the signal after shutdown: the
-    finally:                          # app's lifespan closes the engine (and its trace) before that
+        # on SIGTERM uvicorn re-raises the signal after shutdown: the app's lifespan closes the
+        # engine (and its trace) before that
+        DrainingServer(config, state, args.graceful_timeout).run()
+    finally:
         engine.close()
     return 0
 

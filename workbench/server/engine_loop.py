@@ -151,7 +151,8 @@ class EngineLoop:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
-    async def submit(self, prompts: list[Any], params: SamplingParams, req_id: str) -> RequestHandle:
+    async def submit(self, prompts: list[Any], params: SamplingParams, req_id: str,
+                     stream: bool = True) -> RequestHandle:
         """Validate and queue prompts (n choices each) as one handle; ValueError before any work starts.
 
         The prompts are admitted by the admission thread (admission.py: round robin between
@@ -167,6 +168,7 @@ class EngineLoop:
         bases = [req_id] if len(prompts) == 1 else [f"{req_id}-{j}" for j in range(len(prompts))]
         ids = [b if params.n == 1 else f"{b}-{i}" for b in bases for i in range(params.n)]
         handle = RequestHandle(ids, self.limits)
+        handle.queue.bounded = stream  # the buffer limit guards against slow clients: streams only
         handle.queue.on_overflow = lambda reason: self.abort(handle, reason)
         handle.job = Job(list(prompts), bases, params, owner=handle)
         for rid in ids:
@@ -224,6 +226,17 @@ class EngineLoop:
                                   detail={"reason": reason}))
         self._wake.set()
         return True
+
+    @property
+    def open_requests(self) -> int:
+        """HTTP requests (handles) not finished yet."""
+        return len({id(h) for h in self._handles.values()})
+
+    def end_all(self, message: str) -> None:
+        """Abort every open handle and end it with an error item now (the drain time ran out)."""
+        for handle in {id(h): h for h in self._handles.values()}.values():
+            self.abort(handle, "server shutting down")
+            self._fail_handle(handle, message)
 
     def begin_drain(self) -> None:
         """Refuse new requests (503); requests already running continue."""

@@ -210,9 +210,9 @@ def build_params(req: Any, *, max_tokens: int, logprobs: bool, top_logprobs: int
 
 
 async def submit(state: ServerState, prompts: list[Any], params: SamplingParams, req_id: str,
-                 prompt_param: str) -> RequestHandle:
+                 prompt_param: str, stream: bool = True) -> RequestHandle:
     try:
-        handle = await state.loop.submit(prompts, params, req_id)
+        handle = await state.loop.submit(prompts, params, req_id, stream=stream)
     except EngineUnavailable as exc:
         raise APIError(503, str(exc), code="shutting_down") from None
     except ValueError as exc:

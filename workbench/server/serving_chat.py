@@ -112,7 +112,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
                           vocab_size=state.engine.vocab_size, prompt_param="messages",
                           grammar=forced_tool_grammar(req))
     req_id = new_id("chatcmpl")
-    handle = await submit(state, [messages], params, req_id, "messages")
+    handle = await submit(state, [messages], params, req_id, "messages", stream=bool(req.stream))
     use_tools = bool(req.tools) and req.tool_choice != "none"
     if req.stream:
         return EventStreamResponse(_stream(state, req, handle, req_id, use_tools))
