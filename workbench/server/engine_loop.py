@@ -228,6 +228,11 @@ class EngineLoop:
         return True
 
     @property
+    def pending_prompts(self) -> int:
+        """Prompts of running requests not admitted into the engine yet."""
+        return self._admitter.pending_prompts
+
+    @property
     def open_requests(self) -> int:
         """HTTP requests (handles) not finished yet."""
         return len({id(h) for h in self._handles.values()})
