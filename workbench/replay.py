@@ -108,12 +108,22 @@ def _recorded_requests(trace: Trace) -> list[dict[str, Any]]:
     return out
 
 
+def _meta_object(trace: Trace, key: str) -> dict:
+    """`trace.meta[key]` as the object a recording writes there; a damaged one is a TraceError."""
+    from workbench.trace.reader import TraceError
+
+    value = trace.meta.get(key) or {}
+    if not isinstance(value, dict):
+        raise TraceError(f"{trace.name}: damaged trace (meta {key!r} is a {type(value).__name__}, expected an object)")
+    return dict(value)
+
+
 def _build_engine(trace: Trace, engine_cfg: dict, device: str | None):
     from workbench.engine.engine import Engine
     from workbench.models.loader import load_model
     from workbench.trace.recorder import MemorySink
 
-    model_meta = trace.meta.get("model") or {}
+    model_meta = _meta_object(trace, "model")
     spec = model_meta.get("spec") or engine_cfg.get("model")
     loaded = load_model(spec, device=device or model_meta.get("device", "cpu"), dtype=model_meta.get("dtype"))
     if model_meta.get("hash") and loaded.content_hash != model_meta["hash"]:
@@ -194,7 +204,7 @@ def replay(path: str, *, overrides: list[str] | None = None, tolerance: float = 
 
     t0 = time.perf_counter()
     with open_trace(path) as trace:
-        engine_cfg = dict(trace.meta.get("engine") or {})
+        engine_cfg = _meta_object(trace, "engine")
         requests = _recorded_requests(trace)
         if not requests:
             raise ValueError(f"trace {path!r} records no requests: nothing to replay")
