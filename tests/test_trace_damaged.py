@@ -98,7 +98,7 @@ def test_every_reader_method_reports_damage_as_one_line(damaged: Path) -> None:
         return
     failures = 0
     with trace:
-        for name, read in READERS.items():
+        for read in READERS.values():
             try:
                 read(trace)
             except Exception as exc:
