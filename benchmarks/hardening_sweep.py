@@ -21,6 +21,7 @@ import shutil
 import sqlite3
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import redirect_stderr, redirect_stdout
@@ -178,6 +179,32 @@ def sweep_auth(url: str, res: Results) -> None:
             res["auth"].append((name, resp.status_code == want, f"HTTP {resp.status_code}"))
 
 
+def slow_subscribers(url: str, count: int = 100) -> dict:
+    """16 concurrent requests with no debug subscriber, then with `count` that subscribe and never read."""
+    import asyncio
+
+    async def burst() -> float:
+        body = {"model": MODEL, "prompt": "tell me a story", "max_tokens": 64, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+            t0 = time.perf_counter()
+            resps = await asyncio.gather(*(http.post(C, json=body) for _ in range(16)))
+            assert all(r.status_code == 200 for r in resps)
+            return time.perf_counter() - t0
+
+    quiet = asyncio.run(burst())
+    clients = [httpx.Client(base_url=url, timeout=300) for _ in range(count)]
+    streams = [c.stream("GET", "/debug/events") for c in clients]
+    for st in streams:
+        st.__enter__()  # subscribed; nobody reads what arrives
+    try:
+        loaded = asyncio.run(burst())
+    finally:
+        for st, c in zip(streams, clients):
+            st.__exit__(None, None, None)
+            c.close()
+    return {"without_s": quiet, "with_s": loaded, "subscribers": count}
+
+
 # --- broken traces --------------------------------------------------------------------------------
 
 
@@ -310,6 +337,7 @@ def main() -> int:
                     sweep_inputs(srv.url, res)
                     sweep_reach(srv.url, srv.port, res)
                     sweep_traversal(srv.url, res)
+                    subs = slow_subscribers(srv.url)
                 else:
                     sweep_auth(srv.url, res)
             engine.close()
@@ -326,6 +354,8 @@ def main() -> int:
         for name, note in bad:
             print(f"    FAILED {name}: {note}")
     print(f"{'total':28s} {passed:4d} / {total:4d} behaved")
+    print(f"16 requests x 64 tokens: {subs['without_s']:.2f} s with no debug subscriber, {subs['with_s']:.2f} s with "
+          f"{subs['subscribers']} that never read")
     if args.json:
         Path(args.json).write_text(json.dumps({k: [list(c) for c in v] for k, v in res.items()}, indent=1))
     return 0 if passed == total else 1

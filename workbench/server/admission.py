@@ -4,9 +4,9 @@ Owns: `AdmissionLimits` (prompts per request and the total tokens one request ma
 prompts x n x max_tokens, each refused naming its `workbench serve` flag), and `Admitter`, the one
 thread that calls `engine.add_request`. Every HTTP request is a `Job`; the thread takes one
 prompt at a time from the jobs in turn (round robin), and a job holds at most `window` unfinished
-requests in the engine, so a 5,000-prompt request is fed in as its requests finish while a small
-request that arrives meanwhile is admitted at the next turn and finds running slots free (the
-`reserve`). A cancelled job (its client left, the server stops) stops being admitted at once.
+requests in the engine (a quarter of the engine's running slots by default), so a 5,000-prompt
+request is fed in as its requests finish, the engine's steps stay as short as a quarter-full batch,
+and a small request that arrives meanwhile is admitted at the next turn and finds running slots free. A cancelled job (its client left, the server stops) stops being admitted at once.
 Does not own: the handles outputs arrive in or aborting admitted requests (engine_loop.py).
 """
 
@@ -28,12 +28,18 @@ class AdmissionLimits:
 
     max_prompts: int = 2048  # prompts in one /v1/completions request (OpenAI's batch limit)
     max_tokens: int = 1 << 20  # prompts x n x max_tokens of one request
+    max_running: int = 0  # unfinished requests one request may hold in the engine (0: a quarter of max_running)
 
     def __post_init__(self) -> None:
-        for name in ("max_prompts", "max_tokens"):
+        for name in ("max_prompts", "max_tokens", "max_running"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0 (0: no limit), got {value!r}")
+                raise ValueError(f"{name} must be an integer >= 0 (0: the default), got {value!r}")
+
+    def window(self, engine_max_running: int) -> int:
+        """How many unfinished requests one HTTP request may hold in the engine at once: small enough
+        that the engine's steps stay short for everyone else while a bulk request runs."""
+        return self.max_running or max(1, engine_max_running // 4)
 
     def check(self, num_prompts: int, n: int, max_tokens: int) -> None:
         """ValueError naming the limit (and the flag that raises it) when a request asks for too much."""

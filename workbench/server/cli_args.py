@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("workbench.server")
+SWITCH_INTERVAL = 0.001  # seconds a thread may hold the GIL while another waits (Python's default: 0.005)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +59,9 @@ def add_hardening_args(parser: argparse.ArgumentParser) -> None:
                         help="prompts one /v1/completions request may carry (0: no limit)")
     parser.add_argument("--max-request-tokens", type=int, default=1 << 20,
                         help="tokens one request may ask for, prompts x n x max_tokens (0: no limit)")
+    parser.add_argument("--max-running-per-request", type=int, default=0,
+                        help="unfinished requests (prompts x n) one HTTP request may hold in the engine at once, so "
+                             "others are not held behind it (0: a quarter of --max-running)")
     parser.add_argument("--allowed-hosts", default=None,
                         help="comma-separated Host names the server answers (default: loopback names, plus "
                              "--host when it is not a wildcard; '*' allows any, as behind a proxy)")
@@ -138,11 +142,13 @@ def hardening_options(args: argparse.Namespace) -> HardeningOptions:
 
     prompts = getattr(args, "max_prompts_per_request", 2048)
     tokens = getattr(args, "max_request_tokens", 1 << 20)
+    share = getattr(args, "max_running_per_request", 0)
     try:
-        limits = AdmissionLimits(max_prompts=prompts, max_tokens=tokens)
+        limits = AdmissionLimits(max_prompts=prompts, max_tokens=tokens, max_running=share)
     except ValueError as exc:
-        flag = "--max-prompts-per-request" if "max_prompts" in str(exc) else "--max-request-tokens"
-        raise ValueError(f"{flag}: {exc}") from None
+        flags = {"max_prompts": "--max-prompts-per-request", "max_tokens": "--max-request-tokens",
+                 "max_running": "--max-running-per-request"}
+        raise ValueError(f"{flags[str(exc).split(' ', 1)[0]]}: {exc}") from None
     headers = getattr(args, "max_request_headers", 100)
     if isinstance(headers, bool) or not isinstance(headers, int) or headers < 1:
         raise ValueError(f"--max-request-headers: must be an integer >= 1, got {headers!r}")
@@ -169,6 +175,10 @@ def run_serve(args: argparse.Namespace) -> int:
     # the collector never rescans it, and a full collection cannot pause a stream (as vLLM does)
     gc.collect()
     gc.freeze()
+    # The engine thread holds the GIL through its Python work; at the default 5 ms switch interval
+    # the event loop waits up to that long at every hand-off, which adds up to steps of delay for
+    # a request that arrives while a big one runs. 1 ms keeps the event loop responsive.
+    sys.setswitchinterval(SWITCH_INTERVAL)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=FLUSH_WAIT + 1.0)  # the drain itself is DrainingServer's

@@ -131,9 +131,9 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self.admission_limits = admission or AdmissionLimits()
         max_running = int(getattr(engine, "config", {}).get("max_running", 64))
-        # one request holds at most max_running - reserve unfinished requests: the reserve stays free
-        # for others, so a small request never waits for a big one's requests to finish
-        self._admitter = Admitter(engine, max(1, max_running - max(1, max_running // 4)), self._job_failed)
+        # one request holds at most a quarter of the running slots: the rest stay free for others, and
+        # the steps they all share stay short, so a small request is not held behind a big one
+        self._admitter = Admitter(engine, self.admission_limits.window(max_running), self._job_failed)
         self._stop = threading.Event()
         self._wake = threading.Event()
 
