@@ -39,7 +39,7 @@ Results = dict[str, list[tuple[str, bool, str]]]
 def _bad_fields() -> list[tuple[str, dict]]:
     """(name, fields) that must each be refused; applied to both endpoints."""
     values: dict[str, list] = {
-        "temperature": [-1, 3.5, "hot", None and 0, [1], {"a": 1}, float("1e400") if False else 1e309],
+        "temperature": [-1, 3.5, "hot", [1], {"a": 1}, 1e300],
         "top_p": [0, -0.5, 1.5, "x", [0.5]],
         "top_k": [-2, 0.5, "k", [1]],
         "min_p": [-0.1, 1.5, "p"],
@@ -194,15 +194,14 @@ def slow_subscribers(url: str, count: int = 100) -> dict:
     quiet = asyncio.run(burst())
     clients = [httpx.Client(base_url=url, timeout=300) for _ in range(count)]
     streams = [c.stream("GET", "/debug/events") for c in clients]
-    for st in streams:
-        st.__enter__()  # subscribed; nobody reads what arrives
+    refused = sum(st.__enter__().status_code == 503 for st in streams)  # subscribed; nobody reads what arrives
     try:
         loaded = asyncio.run(burst())
     finally:
         for st, c in zip(streams, clients):
             st.__exit__(None, None, None)
             c.close()
-    return {"without_s": quiet, "with_s": loaded, "subscribers": count}
+    return {"without_s": quiet, "with_s": loaded, "subscribers": count, "refused": refused}
 
 
 # --- broken traces --------------------------------------------------------------------------------
@@ -240,7 +239,7 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "payload not JSON": _sql("UPDATE events SET payload = '{not json' WHERE id = 5"),
     "payload an array": _sql("UPDATE events SET payload = '[1, 2]' WHERE id = 5"),
     "payload a number": _sql("UPDATE events SET payload = '7' WHERE id = 6"),
-    "payload NULL": _sql("UPDATE events SET payload = NULL WHERE id = 7"),
+    "payload empty": _sql("UPDATE events SET payload = '' WHERE id = 7"),
     "payload unknown field": _sql("UPDATE events SET payload = json_set(payload, '$.zzz', 1) WHERE id = 8"),
     "unknown event kind": _sql("UPDATE events SET kind = 'mystery' WHERE id = 5"),
     "token position a string": _sql(TOKEN.format("'$.position', 'x'")),
@@ -355,7 +354,7 @@ def main() -> int:
             print(f"    FAILED {name}: {note}")
     print(f"{'total':28s} {passed:4d} / {total:4d} behaved")
     print(f"16 requests x 64 tokens: {subs['without_s']:.2f} s with no debug subscriber, {subs['with_s']:.2f} s with "
-          f"{subs['subscribers']} that never read")
+          f"{subs['subscribers']} that subscribe and never read ({subs['refused']} of them refused with 503)")
     if args.json:
         Path(args.json).write_text(json.dumps({k: [list(c) for c in v] for k, v in res.items()}, indent=1))
     return 0 if passed == total else 1

@@ -18,7 +18,7 @@ from workbench.engine.engine import Engine
 from workbench.server.admission import AdmissionLimits
 from workbench.server.app import create_app
 from workbench.server.background import BackgroundServer, ServerProcess
-from workbench.server.event_hub import EventHub
+from workbench.server.event_hub import EventHub, TooManySubscribers
 from workbench.server.output_buffer import StreamLimits
 from workbench.trace.events import Event
 from workbench.trace.reader import open_trace
@@ -177,10 +177,12 @@ def test_output_buffer_limit_applies_to_streams_only(tiny):
 
 
 def test_subscribers_that_never_read_share_one_bounded_budget():
-    hub = EventHub(budget=8192)
+    hub = EventHub(budget=8192, max_subscribers=100)
     loop = asyncio.new_event_loop()
     try:
         subs = [hub.subscribe(loop) for _ in range(100)]
+        with pytest.raises(TooManySubscribers, match="--max-debug-subscribers"):
+            hub.subscribe(loop)
         for i in range(20_000):
             hub.write(Event(step=i, req_id="r"))
         assert hub.buffered <= 8192  # not 100 full 4096-event buffers (335 MB in the issue)

@@ -65,6 +65,8 @@ def add_hardening_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-hosts", default=None,
                         help="comma-separated Host names the server answers (default: loopback names, plus "
                              "--host when it is not a wildcard; '*' allows any, as behind a proxy)")
+    parser.add_argument("--max-debug-subscribers", type=int, default=32,
+                        help="/debug/events streams at once (each costs the server its sends; 503 past it)")
     parser.add_argument("--max-request-headers", type=int, default=100,
                         help="request headers one request may carry (uvicorn's h11 limit is per line)")
 
@@ -94,7 +96,10 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
         flag = "--stream-buffer-bytes" if "max_buffer_bytes" in str(exc) else "--send-timeout"
         raise ValueError(f"{flag}: {exc}") from None
     admission = hardening_options(args)
-    hub = EventHub()
+    subscribers = getattr(args, "max_debug_subscribers", 32)
+    if isinstance(subscribers, bool) or not isinstance(subscribers, int) or subscribers < 1:
+        raise ValueError(f"--max-debug-subscribers: must be an integer >= 1, got {subscribers!r}")
+    hub = EventHub(max_subscribers=subscribers)
     sinks: list[Any] = [hub]
     writer, trace_dir = None, None
     if args.trace_dir and args.trace_level != "off":

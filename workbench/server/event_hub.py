@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import Any
 
+from workbench.server.sse import sse_frame
 from workbench.trace.events import Event
+
+FRAME_CACHE = 16384  # serialized events kept for the subscribers that have not sent them yet
+
+
+class TooManySubscribers(RuntimeError):
+    """The hub has its maximum number of subscribers (HTTP 503)."""
 
 
 class Subscriber:
@@ -85,13 +92,17 @@ class EventHub:
     memory (and garbage-collector time) instead of a hundred full buffers.
     """
 
-    def __init__(self, budget: int = 65536) -> None:
+    def __init__(self, budget: int = 65536, max_subscribers: int = 32) -> None:
         if budget < 1:
             raise ValueError(f"budget must be >= 1, got {budget}")
+        if max_subscribers < 1:
+            raise ValueError(f"max_subscribers must be >= 1, got {max_subscribers}")
         self.budget = budget
+        self.max_subscribers = max_subscribers  # each one costs the event loop its sends: a few viewers, not 100
         self._subs: tuple[Subscriber, ...] = ()
         self._lock = threading.Lock()
         self._dropped_gone = 0  # drops of subscribers that have left
+        self._frames: OrderedDict[int, tuple[Event, bytes]] = OrderedDict()  # id(event) -> its SSE frame
         self.meta: dict[str, Any] = {}
 
     @property
@@ -107,6 +118,9 @@ class EventHub:
                   requests: Iterable[str] | None = None, maxsize: int = 4096) -> Subscriber:
         sub = Subscriber(loop, kinds, requests, maxsize)
         with self._lock:
+            if len(self._subs) >= self.max_subscribers:
+                raise TooManySubscribers(f"already {len(self._subs)} /debug/events subscribers, the limit "
+                                         f"(workbench serve --max-debug-subscribers)")
             self._subs = (*self._subs, sub)
             self._share()
         return sub
@@ -115,6 +129,18 @@ class EventHub:
         share = max(1, self.budget // max(1, len(self._subs)))
         for s in self._subs:
             s.limit = min(s.maxsize, share)
+
+    def frame(self, event: Event) -> bytes:
+        """The SSE frame of `event`, serialized once however many subscribers send it (event loop only:
+        100 subscribers used to cost 100 serializations of every event)."""
+        hit = self._frames.get(id(event))
+        if hit is not None and hit[0] is event:  # the cache holds the event, so its id is not reused
+            return hit[1]
+        data = sse_frame(event.to_json())
+        self._frames[id(event)] = (event, data)
+        if len(self._frames) > FRAME_CACHE:
+            self._frames.popitem(last=False)
+        return data
 
     @property
     def buffered(self) -> int:
