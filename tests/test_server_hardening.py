@@ -240,6 +240,9 @@ def test_serve_keeps_the_key_out_of_its_log_and_sigterm_ends_every_stream(tmp_pa
         lines: list[str] = []
         reader = threading.Thread(target=_stream_lines, args=(srv.url, lines))
         reader.start()
+        viewer = httpx.Client(base_url=srv.url, headers=auth, timeout=60)  # subscribes, then never reads
+        viewer_stream = viewer.stream("GET", "/debug/events")
+        assert viewer_stream.__enter__().status_code == 200
         deadline = time.monotonic() + 60
         while len(lines) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -248,6 +251,7 @@ def test_serve_keeps_the_key_out_of_its_log_and_sigterm_ends_every_stream(tmp_pa
         during = httpx.post(srv.url + C, json=c(), headers=auth, timeout=10)  # the socket is still open
         reader.join(60)
         srv.proc.wait(60)
+        viewer.close()
     assert during.status_code == 503 and during.json()["error"]["code"] == "shutting_down"
     assert lines[-1] == "data: [DONE]"
     assert "error" in json.loads(lines[-2][6:]), lines[-2]

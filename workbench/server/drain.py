@@ -5,7 +5,8 @@ the listening socket: new requests get 503 (the socket stays open, so not "conne
 running requests get `--graceful-timeout` seconds to finish, and when that runs out every open
 stream ends with an error event and `data: [DONE]` (engine_loop.end_all), so uvicorn never has
 to cancel a task (no CancelledError traceback). Only then does uvicorn shut down; the app's
-lifespan closes the engine and finalizes the trace. A second signal exits at once. Does not own:
+lifespan closes the engine and finalizes the trace; a connection whose client stopped reading (a
+/debug/events viewer that hangs) is closed rather than cancelled. A second signal exits at once. Does not own:
 the app or the flags (cli_args.py).
 """
 
@@ -53,4 +54,21 @@ class DrainingServer(uvicorn.Server):
                 log.warning("drain time ran out: ending %d open request(s)", loop.open_requests)
                 loop.end_all("the server is shutting down (the drain time ran out)")
             self.streams_ended = now
-        return not loop.open_requests or now - self.streams_ended >= FLUSH_WAIT
+        if loop.open_requests and now - self.streams_ended < FLUSH_WAIT:
+            return False
+        self._close_stuck_connections()
+        return True
+
+    def _close_stuck_connections(self) -> None:
+        """Close the /debug/events streams still open (a viewer that stopped reading blocks its writes,
+        so its handler never sees the drain): each then sees its client gone and ends, instead of
+        being cancelled with a traceback. Generation streams are left to finish sending."""
+        busy = [c for c in self.server_state.connections if getattr(c, "cycle", None) is not None
+                and not getattr(c.cycle, "response_complete", True)
+                and str(c.cycle.scope.get("path", "")).startswith("/debug/events")]
+        for conn in busy:
+            transport = getattr(conn, "transport", None)
+            if transport is not None:
+                transport.abort()
+        if busy:
+            log.info("closed %d connection(s) whose client stopped reading", len(busy))
