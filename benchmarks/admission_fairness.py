@@ -13,7 +13,7 @@ The small request is a streaming completion (max_tokens 2); TTFT is send -> firs
 The criterion (issue 19): loaded TTFT median within 2x the idle median.
 
     python benchmarks/admission_fairness.py [--model tiny-random] [--prompts 5000] [--n 16]
-        [--max-tokens 16] [--samples 15] [--json out.json]
+        [--max-tokens 16] [--samples 15] [--serve-arg=--max-running-per-request --serve-arg=8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def settle_rss(pid: int, seconds: float = 3.0) -> float:
 
 
 def refused_phase(args: argparse.Namespace) -> dict:
-    with ServerProcess(["--model", args.model, "--log-level", "warning"]) as srv:
+    with ServerProcess(["--model", args.model, "--log-level", "warning", *args.serve_arg]) as srv:
         ttft(srv.url, args.model)
         base = settle_rss(srv.proc.pid, 1.0)
         t0 = time.perf_counter()
@@ -94,7 +94,7 @@ def refused_phase(args: argparse.Namespace) -> dict:
 
 def admitted_phase(args: argparse.Namespace) -> dict:
     flags = ["--model", args.model, "--log-level", "warning", "--max-prompts-per-request", str(args.prompts),
-             "--max-request-tokens", str(args.prompts * args.n * args.max_tokens)]
+             "--max-request-tokens", str(args.prompts * args.n * args.max_tokens), *args.serve_arg]
     with ServerProcess(flags) as srv:
         samples(srv.url, args.model, 3)  # warm up
         idle = samples(srv.url, args.model, args.samples)
@@ -138,6 +138,8 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--samples", type=int, default=15)
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="extra `workbench serve` argument for both servers (repeat; --serve-arg=--flag)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     refused = refused_phase(args)
