@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 from tui.fmt import fork_label
 from tui.stepview import RequestData, StepView
 from tui.vocab import Vocab, load_tokenizer, tokenizer_folder
+from workbench.trace.events import Event
 from workbench.trace.live import TraceView
 from workbench.trace.reader import RequestInfo, StepInfo, TraceError, open_trace
 
@@ -37,6 +39,7 @@ class TraceModel:
         self._views: OrderedDict[int, StepView] = OrderedDict()
         self._reqs: OrderedDict[str, RequestData] = OrderedDict()
         self._requests: list[RequestInfo] | None = None
+        self.problem: str | None = None  # the last damage found while reading (one line, for the status line)
 
     @property
     def name(self) -> str:
@@ -65,7 +68,10 @@ class TraceModel:
             if view is not None:
                 self._views.move_to_end(step)
                 return view
-            events = self.source.step(step)
+            try:
+                events = self.source.step(step)
+            except TraceError as exc:  # a damaged step: show it empty, say why, keep running
+                self.problem, events = str(exc), []
             self.vocab.learn(events)
             view = StepView.build(step, info, events)
             _remember(self._views, step, view, _STEP_CACHE)
@@ -78,7 +84,8 @@ class TraceModel:
             if data is not None:
                 self._reqs.move_to_end(req_id)
                 return data
-            events = list(self.source.events(kind=["request.added", "token", "request.finished"], req_id=req_id))
+            events = self._readable(self.source.events(kind=["request.added", "token", "request.finished"],
+                                                       req_id=req_id))
             self.vocab.learn(events)
             data = RequestData.build(req_id, events)
             _remember(self._reqs, req_id, data, _REQ_CACHE)
@@ -88,8 +95,27 @@ class TraceModel:
         """Every request (read once, on first use: a filter or a search needs them)."""
         with self._lock:
             if self._requests is None:
-                self._requests = self.source.requests()
+                try:
+                    self._requests = self.source.requests()
+                except TraceError as exc:
+                    self.problem, self._requests = str(exc), []
             return self._requests
+
+    def _readable(self, events: Iterator[Event]) -> list[Event]:
+        """The events up to the first damaged one (which is noted in `problem`)."""
+        out: list[Event] = []
+        try:
+            for event in events:
+                out.append(event)
+        except TraceError as exc:
+            self.problem = str(exc)
+        return out
+
+    def take_problem(self) -> str | None:
+        """The damage found since the last call (None if none), for the status line."""
+        with self._lock:
+            problem, self.problem = self.problem, None
+            return problem
 
     def refresh(self) -> bool:
         """Pick up what a live writer added; True when there is something new."""

@@ -142,6 +142,16 @@ def _cause(d: Divergence, overrides: list[str]) -> str | None:
     return f"--override {order[0][0]} ({order[0][1]})" if order else None
 
 
+def _meta_object(trace: Any, key: str) -> dict:
+    """`trace.meta[key]` as the object a recording writes there; a damaged one is a TraceError."""
+    from workbench.trace.reader import TraceError
+
+    value = trace.meta.get(key) or {}
+    if not isinstance(value, dict):
+        raise TraceError(f"{trace.name}: damaged trace (meta {key!r} is a {type(value).__name__}, expected an object)")
+    return dict(value)
+
+
 def _index(events: list[ev.Event]) -> dict[tuple[str, str | None], list[ev.Event]]:
     idx: dict[tuple[str, str | None], list[ev.Event]] = defaultdict(list)
     for e in events:
@@ -251,7 +261,8 @@ def replay(path: str, *, overrides: list[str] | None = None, tolerance: float = 
     overrides = list(overrides or [])
     t0 = time.perf_counter()
     with open_trace(path) as trace:
-        engine_cfg = dict(trace.meta.get("engine") or {})
+        engine_cfg = _meta_object(trace, "engine")
+        _meta_object(trace, "model")  # a damaged one stops here, naming the file
         requests = recorded_requests(trace)
         if not requests:
             raise ValueError(f"trace {path!r} records no requests: nothing to replay")

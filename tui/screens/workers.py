@@ -7,7 +7,9 @@ them touches a widget. Does not own what the messages do to the screen (screens/
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +36,28 @@ from workbench.trace.live import TraceView
 from workbench.trace.reader import StepInfo, TraceError
 
 FILE_POLL_SECONDS = 0.25
+# what a damaged trace can raise past the reader's checks (a payload of the right types but odd shape)
+DAMAGE = (TraceError, ValueError, TypeError, KeyError, IndexError, AttributeError, OSError)
+
+
+def reported(fn: Callable[..., None]) -> Callable[..., None]:
+    """A worker body that reports damage on the status line instead of failing the worker (which
+    would end the app with WorkerFailed); the screen keeps what it already shows."""
+
+    @functools.wraps(fn)
+    def run(self: ScreenWorkers, *args: Any, **kwargs: Any) -> None:
+        try:
+            fn(self, *args, **kwargs)
+        except DAMAGE as exc:
+            text = str(exc) if isinstance(exc, TraceError) else f"damaged trace: {type(exc).__name__}: {exc}"
+            self.post_message(LiveStatus(text.splitlines()[0][:300] if text else type(exc).__name__))
+            return
+        model = next((a for a in args if isinstance(a, TraceModel)), None)
+        problem = model.take_problem() if model is not None else None
+        if problem:
+            self.post_message(LiveStatus(problem))
+
+    return run
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +100,7 @@ class ScreenWorkers(Screen):
             source = opts.source or (LiveTrace(opts.live_url) if opts.live_url else open_source(opts.path or ""))
             model = TraceModel(source)
             steps = model.steps()
-        except (TraceError, ValueError, OSError) as exc:
+        except DAMAGE as exc:
             self.post_message(OpenFailed(str(exc)))
             return
         self.post_message(TraceReady(model, steps))
@@ -92,6 +116,7 @@ class ScreenWorkers(Screen):
             self.post_message(VocabReady())
 
     @work(thread=True, exclusive=True, group="load")
+    @reported
     def load_selection(self, model: TraceModel, sel: Selection, info: StepInfo | None) -> None:
         if sel.step is None:
             return
@@ -102,6 +127,7 @@ class ScreenWorkers(Screen):
         self.post_message(Loaded(sel, view, request))
 
     @work(thread=True, exclusive=True, group="follow")
+    @reported
     def follow_file(self, model: TraceModel) -> None:
         """Poll a trace file that is still being written; post the new step list when it grows."""
         worker = get_current_worker()
@@ -138,6 +164,7 @@ class ScreenWorkers(Screen):
                          self.options.api_key)
 
     @work(thread=True, exclusive=True, group="search")
+    @reported
     def search(self, model: TraceModel, text: str, start: int, last: int, forward: bool,
                allowed: frozenset[str] | None) -> None:
         worker = get_current_worker()
@@ -146,5 +173,6 @@ class ScreenWorkers(Screen):
             self.post_message(SearchDone(text, hit))
 
     @work(thread=True, exclusive=True, group="filter")
+    @reported
     def filter_requests(self, model: TraceModel, query: str) -> None:
         self.post_message(FilterReady(query, match_requests(model, query)))

@@ -18,8 +18,10 @@ from rich.table import Table
 from rich.text import Text
 from textual.message import Message
 
+from tui.messages import LiveStatus
 from tui.widgets.base import Pane, PaneContext
 from workbench.trace.latency import RequestLatency, Segment
+from workbench.trace.reader import TraceError
 
 KINDS = ["stamp", "request.finished"]
 BAR = 48  # columns of the time axis
@@ -133,7 +135,11 @@ class LatencyPane(Pane):
 
     def _fetch(self, source: Any, req_id: str) -> None:
         """Worker thread: read the request's stamps (an indexed query) and post them back."""
-        events = list(source.events(kind=KINDS, req_id=req_id))
+        try:
+            events = list(source.events(kind=KINDS, req_id=req_id))
+        except TraceError as exc:  # a damaged trace: say so on the status line (the message bubbles up)
+            self.post_message(LiveStatus(str(exc)))
+            return
         self.post_message(self.Loaded(RequestLatency.from_events(req_id, events)))
 
     def on_latency_pane_loaded(self, message: Loaded) -> None:

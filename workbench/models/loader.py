@@ -12,6 +12,9 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,6 +117,36 @@ def dequantize_gguf(gguf: Path, out: Path) -> Path:
     return out
 
 
+def build_once(folder: Path, build: Callable[[Path], Any]) -> Path:
+    """`folder`, built by `build(tmp)` if it is not there yet: under a file lock (two processes never
+    build the same folder at once; the second waits and reuses it), into a unique temporary folder
+    renamed into place when complete, so a reader never sees half a model. A `.partial` folder
+    left by a build that crashed is removed."""
+    from filelock import FileLock
+
+    def ready() -> bool:
+        return (folder / "model.safetensors").exists()
+
+    if ready():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        if ready():
+            return folder
+        for stale in folder.parent.glob(folder.name + ".partial*"):  # only a crashed build leaves these
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".partial-", dir=folder.parent))
+        try:
+            build(tmp)
+            if folder.exists():  # an incomplete folder from an older, unlocked build
+                shutil.rmtree(folder)
+            os.replace(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return folder
+
+
 def resolve_folder(spec: str) -> tuple[Path, str]:
     """Turn a spec string into a local model folder (building or caching it) and a display name."""
     root = cache_root() / "models"
@@ -122,15 +155,10 @@ def resolve_folder(spec: str) -> tuple[Path, str]:
     if spec in TINY_SPECS:
         from workbench.models import tiny
 
-        folder = root / spec
-        if not (folder / "model.safetensors").exists():
-            tmp = root / (spec + ".partial")
-            if spec == "tiny-random":
-                tiny.build_tiny_bpe(tmp, resolve_folder("smollm2")[0])
-            else:
-                tiny.build_tiny_sp(tmp)
-            os.replace(tmp, folder)
-        return folder, spec
+        if spec == "tiny-random":
+            tokenizer = resolve_folder("smollm2")[0]
+            return build_once(root / spec, lambda tmp: tiny.build_tiny_bpe(tmp, tokenizer)), spec
+        return build_once(root / spec, tiny.build_tiny_sp), spec
     if spec.startswith(TINY_FAMILY_PREFIX):
         from workbench.models import tiny
 

@@ -3,33 +3,30 @@
 Owns: building the app (routers, error handlers, static files), its state on
 `app.state.workbench` (no module globals), the lifespan (the engine thread starts with the app
 and stops with it), attaching the live-event and metrics sinks to the engine's tracer, and the
-optional API key (checked in constant time on every route but `/health`; a browser may pass it as
-`?api_key=` on GET requests, since EventSource cannot set headers), and wrapping everything in the
+optional API key and the Host allow-list (guard.py), and wrapping everything in the
 latency middleware (stream_latency.py: `X-Request-Id`, frame stamps, send timeout) with the
 per-request stream limits. Does not own: serving logic, routes, or running uvicorn (serve.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from workbench.engine.engine import Engine
 from workbench.server import routes_debug, routes_openai
+from workbench.server.admission import AdmissionLimits
 from workbench.server.engine_loop import EngineLoop
-from workbench.server.errors import APIError, install_error_handlers
+from workbench.server.errors import install_error_handlers
 from workbench.server.event_hub import EventHub
+from workbench.server.guard import LOOPBACK_HOSTS, APIKeyMiddleware, GuardMiddleware
 from workbench.server.logprobs import TokenBytes
 from workbench.server.metrics import Metrics
 from workbench.server.output_buffer import StreamLimits
@@ -38,46 +35,13 @@ from workbench.server.stream_latency import wrap_app
 from workbench.trace.recorder import MemorySink
 
 log = logging.getLogger("workbench.server")
-OPEN_PATHS = frozenset({"/health"})
-
-
-def _digest(value: str | bytes) -> bytes:
-    return hashlib.sha256(value.encode("utf-8") if isinstance(value, str) else value).digest()
-
-
-class APIKeyMiddleware:
-    """401 unless the request carries the key (`Authorization: Bearer <key>`); `/health` stays open."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._key = _digest(api_key)  # comparing digests keeps the comparison constant-time in length too
-
-    def _presented(self, scope: Scope) -> bytes | None:
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization" and value[:7].lower() == b"bearer ":
-                return value[7:].strip()
-        if scope.get("method") == "GET":
-            keys = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
-            if keys:
-                return keys[0].encode("utf-8")
-        return None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        key = self._presented(scope)
-        if key is not None and hmac.compare_digest(_digest(key), self._key):
-            await self.app(scope, receive, send)
-            return
-        message = "missing API key: send 'Authorization: Bearer <key>'" if key is None else "invalid API key"
-        await APIError(401, message, code="invalid_api_key").response()(scope, receive, send)
 
 
 def create_app(engine: Engine, *, model_name: str | None = None, hub: EventHub | None = None,
                trace_dir: str | Path | None = None, trace_writer: Any = None, api_key: str | None = None,
                max_body_bytes: int = 4 << 20, default_max_tokens: int = 1024, close_engine: bool = False,
-               stream_limits: StreamLimits | None = None) -> FastAPI:
+               stream_limits: StreamLimits | None = None, admission: AdmissionLimits | None = None,
+               allowed_hosts: Sequence[str] = LOOPBACK_HOSTS, max_headers: int = 100) -> FastAPI:
     """An OpenAI-compatible app over `engine`; the engine thread runs while the app is served.
 
     `stream_limits` bounds what one request may hold for a client that reads slowly (bytes) and how
@@ -100,7 +64,8 @@ def create_app(engine: Engine, *, model_name: str | None = None, hub: EventHub |
     metrics = Metrics()
     tracer.add_sink(metrics.spec)
     state = ServerState(
-        engine=engine, loop=EngineLoop(engine, on_finished=metrics.observe_finished, limits=stream_limits), hub=hub,
+        engine=engine, loop=EngineLoop(engine, on_finished=metrics.observe_finished, limits=stream_limits,
+                                       admission=admission), hub=hub,
         metrics=metrics,
         model_name=model_name or str(engine.loaded.spec), token_bytes=TokenBytes(engine.tokenizer),
         trace_dir=Path(trace_dir) if trace_dir is not None else None, trace_writer=trace_writer,
@@ -126,6 +91,7 @@ def create_app(engine: Engine, *, model_name: str | None = None, hub: EventHub |
     app.mount("/static", StaticFiles(directory=routes_debug.STATIC_DIR), name="static")
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(GuardMiddleware, allowed_hosts=allowed_hosts, max_headers=max_headers)  # outermost
     wrap_app(app, state)  # X-Request-Id on every response; frame stamps, send timeout (stream_latency.py)
     return app
 

@@ -68,18 +68,20 @@ def _free_port(host: str = "127.0.0.1") -> int:
 class ServerProcess:
     """`python -m workbench.server <args> --port <free port>` in a child process, healthy on enter.
 
-    `args` are `workbench serve` arguments without `--port`/`--host`. Exiting sends SIGTERM (the
+    `args` are `workbench serve` arguments without `--port`/`--host`; with `log_path` the server's
+    output (its access log) is written there. Exiting sends SIGTERM (the
     server's graceful shutdown) and kills the process if it has not gone within `stop_timeout`.
     """
 
     def __init__(self, args: Sequence[str], *, host: str = "127.0.0.1", start_timeout: float = 300.0,
-                 stop_timeout: float = 60.0, cwd: str | None = None) -> None:
+                 stop_timeout: float = 60.0, cwd: str | None = None, log_path: str | None = None) -> None:
         self.host = host
         self.port = _free_port(host)
         self.args = [*args, "--host", host, "--port", str(self.port)]
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self.cwd = cwd
+        self.log_path = log_path  # the server's stdout and stderr (its log) go here when given
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -90,7 +92,13 @@ class ServerProcess:
         import httpx
 
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "workbench.server", *self.args], cwd=self.cwd, env=env)
+        out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 (the child keeps it)
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "workbench.server", *self.args], cwd=self.cwd,
+                                         env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
+        finally:
+            if out is not None:
+                out.close()
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -3,7 +3,7 @@
 Owns: `add_serve_args(parser)` (importable without FastAPI, so `workbench --help` stays fast),
 `run_serve(args)` (builds the engine with the live-event hub and, with `--trace-dir`, a trace file
 per run as its only trace sinks, so nothing accumulates in memory; serves it with uvicorn; on
-SIGINT/SIGTERM refuses new requests with 503 while running ones finish), and `serve_main(argv)`.
+SIGINT/SIGTERM drains: drain.py), and `serve_main(argv)`.
 Does not own: the app (app.py).
 """
 
@@ -16,10 +16,12 @@ import ipaddress
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("workbench.server")
+SWITCH_INTERVAL = 0.001  # seconds a thread may hold the GIL while another waits (Python's default: 0.005)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +50,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--send-timeout", type=float, default=60.0,
                         help="seconds one blocked write may take before the request is aborted (0: no limit)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_hardening_args(parser)
+
+
+def add_hardening_args(parser: argparse.ArgumentParser) -> None:
+    """Limits one client cannot get past (issue 19): admission, hosts, headers."""
+    parser.add_argument("--max-prompts-per-request", type=int, default=2048,
+                        help="prompts one /v1/completions request may carry (0: no limit)")
+    parser.add_argument("--max-request-tokens", type=int, default=1 << 20,
+                        help="tokens one request may ask for, prompts x n x max_tokens (0: no limit)")
+    parser.add_argument("--max-running-per-request", type=int, default=0,
+                        help="unfinished requests (prompts x n) one HTTP request may hold in the engine at once, so "
+                             "others are not held behind it (0: a quarter of --max-running)")
+    parser.add_argument("--allowed-hosts", default=None,
+                        help="comma-separated Host names the server answers (default: loopback names, plus "
+                             "--host when it is not a wildcard; '*' allows any, as behind a proxy)")
+    parser.add_argument("--max-debug-subscribers", type=int, default=32,
+                        help="/debug/events streams at once (each costs the server its sends; 503 past it)")
+    parser.add_argument("--max-request-headers", type=int, default=100,
+                        help="request headers one request may carry (uvicorn's h11 limit is per line)")
 
 
 def is_loopback(host: str) -> bool:
@@ -74,7 +95,11 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
     except ValueError as exc:
         flag = "--stream-buffer-bytes" if "max_buffer_bytes" in str(exc) else "--send-timeout"
         raise ValueError(f"{flag}: {exc}") from None
-    hub = EventHub()
+    admission = hardening_options(args)
+    subscribers = getattr(args, "max_debug_subscribers", 32)
+    if isinstance(subscribers, bool) or not isinstance(subscribers, int) or subscribers < 1:
+        raise ValueError(f"--max-debug-subscribers: must be an integer >= 1, got {subscribers!r}")
+    hub = EventHub(max_subscribers=subscribers)
     sinks: list[Any] = [hub]
     writer, trace_dir = None, None
     if args.trace_dir and args.trace_level != "off":
@@ -91,12 +116,56 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
                     prefix_cache=getattr(args, "prefix_cache", False))
     app = create_app(engine, model_name=args.served_model_name or args.model, hub=hub, trace_dir=trace_dir,
                      trace_writer=writer, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     default_max_tokens=args.default_max_tokens, close_engine=True, stream_limits=limits)
+                     default_max_tokens=args.default_max_tokens, close_engine=True, stream_limits=limits,
+                     admission=admission.limits, allowed_hosts=admission.hosts,
+                     max_headers=admission.max_headers)
     return engine, app
+
+
+@dataclass(frozen=True, slots=True)
+class HardeningOptions:
+    """The issue-19 flags, checked before the model loads."""
+
+    limits: Any  # AdmissionLimits
+    hosts: list[str]  # "*" among them: any host
+    max_headers: int
+
+
+def allowed_hosts(value: str | None, bind: str) -> list[str]:
+    """The Host names to answer: `--allowed-hosts` (added to the loopback names), or the loopback
+    names and a specific --host."""
+    names = ["localhost", "127.0.0.1", "[::1]"]
+    if value is not None:
+        return names + [h.strip().lower() for h in value.split(",") if h.strip()]
+    if bind not in ("0.0.0.0", "::", "") and bind.lower() not in names:
+        names.append(bind.lower())
+    return names
+
+
+def hardening_options(args: argparse.Namespace) -> HardeningOptions:
+    from workbench.server.admission import AdmissionLimits
+
+    prompts = getattr(args, "max_prompts_per_request", 2048)
+    tokens = getattr(args, "max_request_tokens", 1 << 20)
+    share = getattr(args, "max_running_per_request", 0)
+    try:
+        limits = AdmissionLimits(max_prompts=prompts, max_tokens=tokens, max_running=share)
+    except ValueError as exc:
+        flags = {"max_prompts": "--max-prompts-per-request", "max_tokens": "--max-request-tokens",
+                 "max_running": "--max-running-per-request"}
+        raise ValueError(f"{flags[str(exc).split(' ', 1)[0]]}: {exc}") from None
+    headers = getattr(args, "max_request_headers", 100)
+    if isinstance(headers, bool) or not isinstance(headers, int) or headers < 1:
+        raise ValueError(f"--max-request-headers: must be an integer >= 1, got {headers!r}")
+    return HardeningOptions(limits, allowed_hosts(getattr(args, "allowed_hosts", None), getattr(args, "host", "")),
+                            headers)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
+
+    from workbench.server.drain import FLUSH_WAIT, DrainingServer
+    from workbench.server.guard import redact_access_log
 
     if not is_loopback(args.host) and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use the engine",
@@ -111,17 +180,19 @@ def run_serve(args: argparse.Namespace) -> int:
     # the collector never rescans it, and a full collection cannot pause a stream (as vLLM does)
     gc.collect()
     gc.freeze()
-
-    class DrainingServer(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            state.loop.begin_drain()  # new requests get 503 while running ones finish
-            super().handle_exit(sig, frame)
+    # The engine thread holds the GIL through its Python work; at the default 5 ms switch interval
+    # the event loop waits up to that long at every hand-off, which adds up to steps of delay for
+    # a request that arrives while a big one runs. 1 ms keeps the event loop responsive.
+    sys.setswitchinterval(SWITCH_INTERVAL)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.graceful_timeout)
+                            timeout_graceful_shutdown=FLUSH_WAIT + 1.0)  # the drain itself is DrainingServer's
+    redact_access_log()  # after uvicorn configured its loggers
     try:
-        DrainingServer(config).run()  # on SIGTERM uvicorn re-raises the signal after shutdown: the
-    finally:                          # app's lifespan closes the engine (and its trace) before that
+        # on SIGTERM uvicorn re-raises the signal after shutdown: the app's lifespan closes the
+        # engine (and its trace) before that
+        DrainingServer(config, state, args.graceful_timeout).run()
+    finally:
         engine.close()
     return 0
 

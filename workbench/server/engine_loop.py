@@ -17,7 +17,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ from workbench.engine.engine import Engine, StepFailed
 from workbench.engine.output.output import RequestOutput, StepOutput, TokenLogprob
 from workbench.engine.sample.sampling_params import SamplingParams
 from workbench.engine.sched.request import Req
+from workbench.server.admission import AdmissionLimits, Admitter, Job
 from workbench.server.output_buffer import OutputBuffer, StreamLimits
 from workbench.trace.events import Stamp
 from workbench.trace.latency import Handoff
@@ -73,6 +73,7 @@ class RequestHandle:
         self.outputs: dict[str, RequestOutput] = {}
         self.error: str | None = None
         self.aborted: str | None = None  # the reason of the one abort that took effect
+        self.job: Job | None = None  # its prompts on their way into the engine (admission.py)
         self._abort_lock = threading.Lock()
 
     def claim_abort(self, reason: str) -> bool:
@@ -116,7 +117,8 @@ class EngineLoop:
     """Runs `engine.step()` on its own thread while there is work, and routes outputs to handles."""
 
     def __init__(self, engine: Engine, *, on_finished: Callable[[RequestOutput], None] | None = None,
-                 idle_wait: float = 0.1, limits: StreamLimits | None = None) -> None:
+                 idle_wait: float = 0.1, limits: StreamLimits | None = None,
+                 admission: AdmissionLimits | None = None) -> None:
         self.engine = engine
         self.on_finished = on_finished
         self.idle_wait = idle_wait
@@ -128,7 +130,11 @@ class EngineLoop:
         self._handles: dict[str, RequestHandle] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._submitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="workbench-admit")
+        self.admission_limits = admission or AdmissionLimits()
+        max_running = int(getattr(engine, "config", {}).get("max_running", 64))
+        # one request holds at most a quarter of the running slots: the rest stay free for others, and
+        # the steps they all share stay short, so a small request is not held behind a big one
+        self._admitter = Admitter(engine, self.admission_limits.window(max_running), self._job_failed)
         self._stop = threading.Event()
         self._wake = threading.Event()
 
@@ -146,57 +152,74 @@ class EngineLoop:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
-    async def submit(self, prompts: list[Any], params: SamplingParams, req_id: str) -> RequestHandle:
+    async def submit(self, prompts: list[Any], params: SamplingParams, req_id: str,
+                     stream: bool = True) -> RequestHandle:
         """Validate and queue prompts (n choices each) as one handle; ValueError before any work starts.
 
-        `add_request` (tokenizing, compiling a grammar) runs on a helper thread so the event loop
-        never waits for it. The handle is registered first: outputs can arrive before it returns.
+        The prompts are admitted by the admission thread (admission.py: round robin between
+        requests, each under its window of unfinished requests), so the event loop never waits for
+        tokenizing or compiling a grammar and one large request cannot hold others behind it. This
+        returns once the first window is in: a refused prompt among those is a ValueError (the
+        others are aborted); one refused later ends the request with an error item. The handle is
+        registered first: outputs can arrive before this returns.
         """
         if not self.accepting or not self.running:
             raise EngineUnavailable("the server is shutting down")
+        self.admission_limits.check(len(prompts), params.n, params.max_new_tokens)
         bases = [req_id] if len(prompts) == 1 else [f"{req_id}-{j}" for j in range(len(prompts))]
         ids = [b if params.n == 1 else f"{b}-{i}" for b in bases for i in range(params.n)]
         handle = RequestHandle(ids, self.limits)
+        handle.queue.bounded = stream  # the buffer limit guards against slow clients: streams only
         handle.queue.on_overflow = lambda reason: self.abort(handle, reason)
+        handle.job = Job(list(prompts), bases, params, owner=handle)
         for rid in ids:
             self._handles[rid] = handle
-        fut = asyncio.get_running_loop().run_in_executor(self._submitter, self._add_all, prompts, params, bases)
         try:
-            got = await asyncio.shield(fut)
-        except asyncio.CancelledError:  # the client left while we were admitting: abort what got in
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or self.abort(handle, "client gone"))
+            await asyncio.shield(asyncio.wrap_future(self._admitter.submit(handle.job)))
+        except asyncio.CancelledError:  # the client left while we were admitting: stop, abort what got in
+            self.abort(handle, "client disconnected")
             raise
         except BaseException:
+            for rid in self._admitter.cancel(handle.job):
+                self.engine.abort(rid, "a sibling prompt was rejected")
             for rid in ids:
                 self._handles.pop(rid, None)
             raise
-        if got != ids:
-            raise RuntimeError(f"engine named the requests {got}, expected {ids}")
         self._wake.set()
         return handle
 
-    def _add_all(self, prompts: list[Any], params: SamplingParams, bases: list[str]) -> list[str]:
-        """Helper thread: add every prompt, or none (earlier ones are aborted if a later one fails)."""
-        added: list[str] = []
+    def _job_failed(self, job: Job, message: str) -> None:
+        """Admission thread: a later prompt was refused; end the request with an error item."""
+        for rid in job.admitted:
+            self.engine.abort(rid, "a sibling prompt was rejected")
         try:
-            for prompt, base in zip(prompts, bases):
-                added += self.engine.add_request(prompt, params, req_id=base)
-        except BaseException:
-            for rid in added:
-                self.engine.abort(rid, "a sibling prompt was rejected")
-            raise
-        return added
+            self._loop.call_soon_threadsafe(self._fail_handle, job.owner, message)
+        except RuntimeError:  # the event loop is closed: nobody is left to tell
+            pass
+
+    def _fail_handle(self, handle: RequestHandle, message: str) -> None:
+        for rid in handle.req_ids:
+            if self._handles.get(rid) is handle:
+                del self._handles[rid]
+        handle.queue.put_nowait(StreamItem(handle.req_ids[0], None, error=message))
 
     def abort(self, handle: RequestHandle, reason: str = "client disconnected") -> bool:
         """Abort every unfinished request of `handle` once; the engine frees their KV at its next step.
+        Prompts not admitted yet are dropped: admission of this request stops at once.
 
         Idempotent and thread-safe: when disconnect, send timeout and shutdown race, the first reason
         wins (an `aborted` stamp records it) and the others return False.
         """
         if not handle.claim_abort(reason):
             return False
+        admitted = set(self._admitter.cancel(handle.job)) if handle.job is not None else set(handle.open)
         tracer, step = self.engine.tracer, self.engine.step_no
         for rid in list(handle.open):
+            if rid not in admitted:  # never reached the engine: nothing will ever arrive for it
+                handle.open.discard(rid)
+                if self._handles.get(rid) is handle:
+                    del self._handles[rid]
+                continue
             self.recent_aborts.append((rid, step))
             self.engine.abort(rid, reason)
             if tracer.on:
@@ -204,6 +227,22 @@ class EngineLoop:
                                   detail={"reason": reason}))
         self._wake.set()
         return True
+
+    @property
+    def pending_prompts(self) -> int:
+        """Prompts of running requests not admitted into the engine yet."""
+        return self._admitter.pending_prompts
+
+    @property
+    def open_requests(self) -> int:
+        """HTTP requests (handles) not finished yet."""
+        return len({id(h) for h in self._handles.values()})
+
+    def end_all(self, message: str) -> None:
+        """Abort every open handle and end it with an error item now (the drain time ran out)."""
+        for handle in {id(h): h for h in self._handles.values()}.values():
+            self.abort(handle, "server shutting down")
+            self._fail_handle(handle, message)
 
     def begin_drain(self) -> None:
         """Refuse new requests (503); requests already running continue."""
@@ -215,11 +254,11 @@ class EngineLoop:
         self.accepting = False
         for handle in {id(h): h for h in self._handles.values()}.values():
             self.abort(handle, "server shutting down")
+        self._admitter.stop()
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
-        self._submitter.shutdown(wait=False)
         for rid, handle in list(self._handles.items()):
             handle.queue.put_nowait(StreamItem(rid, None, error="the server is shutting down"))
         self._handles.clear()
@@ -232,6 +271,8 @@ class EngineLoop:
             handle.queue.put_nowait(item)
             if item.finished:
                 del self._handles[item.req_id]
+                if handle.job is not None:
+                    self._admitter.finished(handle.job)
 
     # --- engine thread -----------------------------------------------------------------------
 

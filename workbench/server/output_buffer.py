@@ -115,6 +115,7 @@ class OutputBuffer:
         self.max_pending_bytes = 0  # the most this buffer ever held (what "memory stays bounded" checks)
         self.coalesced = 0  # deltas merged into an earlier one because the reader was behind
         self.overflowed = False
+        self.bounded = True  # False for a non-streaming request: its reader is the server, never slow
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._error: Any = None
         self._ready = asyncio.Event()
@@ -142,7 +143,7 @@ class OutputBuffer:
         pending.add(item, size)
         self.pending_bytes += size
         self.max_pending_bytes = max(self.max_pending_bytes, self.pending_bytes)
-        if self.pending_bytes > self.limits.max_buffer_bytes:
+        if self.bounded and self.pending_bytes > self.limits.max_buffer_bytes:
             self._overflow(type(item))
         self._ready.set()
 

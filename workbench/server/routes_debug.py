@@ -20,7 +20,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.background import BackgroundTask
 
 from workbench.server.errors import APIError, bad_request
-from workbench.server.event_hub import Subscriber
+from workbench.server.event_hub import Subscriber, TooManySubscribers
 from workbench.server.serving import ServerState
 from workbench.server.sse import EventStreamResponse, sse_frame
 from workbench.server.traces import find_trace, list_traces, snapshot
@@ -28,6 +28,7 @@ from workbench.trace.events import EVENT_TYPES
 
 STATIC_DIR = Path(__file__).parent / "static"
 STATS_EVERY = 1.0  # seconds between server.stats records on an event stream
+BATCH_EVERY = 0.05  # seconds a subscriber waits after sending a batch, so that the next one gathers more
 
 router = APIRouter()
 
@@ -48,7 +49,10 @@ async def debug_events(request: Request, kind: str | None = None, request_id: st
     unknown = sorted(set(kinds) - set(EVENT_TYPES))
     if unknown:
         raise bad_request(f"kind: unknown event kinds {unknown}; known kinds are {sorted(EVENT_TYPES)}", "kind")
-    sub = state.hub.subscribe(asyncio.get_running_loop(), kinds or None, _split(request_id) or None, buffer)
+    try:
+        sub = state.hub.subscribe(asyncio.get_running_loop(), kinds or None, _split(request_id) or None, buffer)
+    except TooManySubscribers as exc:
+        raise APIError(503, str(exc), code="too_many_subscribers") from None
     return EventStreamResponse(_event_frames(state, sub))
 
 
@@ -65,12 +69,15 @@ async def _event_frames(state: ServerState, sub: Subscriber) -> AsyncIterator[by
         last = time.monotonic()
         while state.loop.accepting:  # a draining server ends its debug streams so shutdown can finish
             events = await sub.next_batch(timeout=STATS_EVERY)
-            frames = [sse_frame(e.to_json()) for e in events]
+            frames = [state.hub.frame(e) for e in events]
             if time.monotonic() - last >= STATS_EVERY:
                 frames.append(sse_frame(_stats(state, sub)))
                 last = time.monotonic()
             if frames:
                 yield b"".join(frames)
+                # at most BATCH_EVERY batches a second per subscriber: a hundred of them then cost a
+                # hundred wake-ups per interval, not a hundred per engine step
+                await asyncio.sleep(BATCH_EVERY)
     finally:
         state.hub.unsubscribe(sub)
 

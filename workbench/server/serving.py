@@ -78,6 +78,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 async def read_request(request: Request, model: type[M], max_bytes: int) -> M:
     """Parse and validate a JSON body strictly; every failure is a 400 (or 413) naming the parameter."""
+    check_content_type(request)
     body = await read_body(request, max_bytes)
     try:
         body.decode("utf-8")
@@ -87,6 +88,23 @@ async def read_request(request: Request, model: type[M], max_bytes: int) -> M:
         return model.model_validate_json(body)
     except ValidationError as exc:
         raise from_validation_error(exc, model) from None
+
+
+def check_content_type(request: Request) -> None:
+    """415 unless the body is declared `application/json`: a page's `text/plain` POST (no CORS
+    preflight) must not start generations."""
+    declared = request.headers.get("content-type", "")
+    if declared.split(";", 1)[0].strip().lower() != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, got {declared[:60] or 'none'!r}",
+                       param="Content-Type", code="unsupported_media_type")
+
+
+def check_max_tokens(state: ServerState, max_tokens: int) -> None:
+    """400 when max_tokens alone exceeds the context length (vLLM refuses it too), instead of clamping."""
+    limit = int(state.engine.runner.max_context_len)
+    if max_tokens > limit:
+        raise bad_request(f"max_tokens ({max_tokens}) exceeds the model's context length of {limit} tokens; "
+                          f"max_tokens must be at most {limit}", "max_tokens", code="context_length_exceeded")
 
 
 def check_model(state: ServerState, name: str) -> None:
@@ -193,9 +211,9 @@ def build_params(req: Any, *, max_tokens: int, logprobs: bool, top_logprobs: int
 
 
 async def submit(state: ServerState, prompts: list[Any], params: SamplingParams, req_id: str,
-                 prompt_param: str) -> RequestHandle:
+                 prompt_param: str, stream: bool = True) -> RequestHandle:
     try:
-        handle = await state.loop.submit(prompts, params, req_id)
+        handle = await state.loop.submit(prompts, params, req_id, stream=stream)
     except EngineUnavailable as exc:
         raise APIError(503, str(exc), code="shutting_down") from None
     except ValueError as exc:

@@ -39,6 +39,7 @@ from workbench.server.protocol import (
 from workbench.server.serving import (
     ServerState,
     build_params,
+    check_max_tokens,
     check_model,
     finish_reason,
     new_id,
@@ -64,6 +65,23 @@ def forced_tool_grammar(req: ChatCompletionRequest) -> dict[str, Any] | None:
         raise bad_request(str(exc), "tool_choice" if "tool_choice" in str(exc) else "tools") from None
 
 
+def check_tool_schemas(req: ChatCompletionRequest) -> None:
+    """400 naming the tool when a function's `parameters` is not a valid JSON schema, whatever the
+    tool_choice (with "auto" the model is shown it; a broken one must not pass silently)."""
+    import jsonschema
+
+    for i, tool in enumerate(req.tools or ()):
+        params = tool.model_dump(exclude_none=True)["function"].get("parameters")
+        if params is None:
+            continue
+        try:
+            jsonschema.validators.validator_for(params).check_schema(params)
+        except jsonschema.SchemaError as exc:
+            where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+            raise bad_request(f"tools[{i}].function.parameters is not a valid JSON schema at {where}: "
+                              f"{exc.message[:200]}", "tools") from None
+
+
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The engine's chat: roles and text, with tool definitions, calls and results written in."""
     if req.tool_choice not in (None, "none") and not req.tools:
@@ -86,12 +104,15 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     check_model(state, req.model)
     messages = chat_messages(req)
     max_tokens = req.max_completion_tokens or req.max_tokens or state.default_max_tokens
+    if req.max_completion_tokens or req.max_tokens:  # the server's own default is clamped by the engine
+        check_max_tokens(state, max_tokens)
+    check_tool_schemas(req)
     params = build_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                           top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
                           vocab_size=state.engine.vocab_size, prompt_param="messages",
                           grammar=forced_tool_grammar(req))
     req_id = new_id("chatcmpl")
-    handle = await submit(state, [messages], params, req_id, "messages")
+    handle = await submit(state, [messages], params, req_id, "messages", stream=bool(req.stream))
     use_tools = bool(req.tools) and req.tool_choice != "none"
     if req.stream:
         return EventStreamResponse(_stream(state, req, handle, req_id, use_tools))

@@ -25,6 +25,7 @@ from workbench.server.protocol import CompletionChoice, CompletionRequest, Compl
 from workbench.server.serving import (
     ServerState,
     build_params,
+    check_max_tokens,
     check_model,
     finish_reason,
     new_id,
@@ -56,10 +57,11 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     check_model(state, req.model)
     _check_unsupported(req)
     top = req.logprobs or 0
+    check_max_tokens(state, req.max_tokens or DEFAULT_MAX_TOKENS)
     params = build_params(req, max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=req.logprobs is not None,
                           top_logprobs=top, vocab_size=state.engine.vocab_size, prompt_param="prompt")
     req_id = new_id("cmpl")
-    handle = await submit(state, list(req.prompt), params, req_id, "prompt")
+    handle = await submit(state, list(req.prompt), params, req_id, "prompt", stream=bool(req.stream))
     echoes = [_prompt_text(state, p) if req.echo else "" for p in req.prompt for _ in range(req.n)]
     if req.stream:
         return EventStreamResponse(_stream(state, req, handle, req_id, echoes))

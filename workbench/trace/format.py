@@ -255,3 +255,50 @@ def to_numpy(array: Any) -> np.ndarray:
             tensor = tensor.float()  # numpy has no bfloat16/float8
         return np.array(tensor.cpu().numpy(), copy=True)
     return np.array(array, copy=True)
+
+
+# --- field types of events read back (the file is untrusted) --------------------------------------
+
+_Check = tuple[str, tuple[type, ...], bool, tuple[type, ...] | None]
+_CHECKS: dict[type, list[_Check]] = {}
+_SIMPLE_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
+                                              "list": (list,), "dict": (dict,)}
+
+
+def _checks(cls: type) -> list[_Check]:
+    """(field, allowed types, None allowed, element types of a list) for the payload fields of an event
+    class whose annotation is a plain type (`int`, `float | None`, `list[int]`, ...); `Any` is not checked.
+    A list of floats may hold None (how a non-finite value is written)."""
+    found = _CHECKS.get(cls)
+    if found is None:
+        found = []
+        for f in dataclasses.fields(cls):
+            if f.name in ("step", "req_id", "t"):
+                continue
+            text = str(f.type).replace(" ", "")
+            options = [o.split("[", 1)[0] for o in text.split("|")]
+            optional = "None" in options
+            options = [o for o in options if o != "None"]
+            if options and all(o in _SIMPLE_TYPES for o in options):
+                inner = text.split("[", 2)[1].rstrip("]") if text.startswith("list[") else None
+                items = _SIMPLE_TYPES.get(inner) if inner is not None else None
+                found.append((f.name, tuple(t for o in options for t in _SIMPLE_TYPES[o]), optional, items))
+        _CHECKS[cls] = found
+    return found
+
+
+def _is(value: Any, types: tuple[type, ...]) -> bool:
+    return isinstance(value, types) and (bool in types or not isinstance(value, bool))
+
+
+def field_type_problem(event: Any) -> str | None:
+    """What is wrong with the types of an event's fields (`position is str, expected int`), or None."""
+    for name, types, optional, items in _checks(type(event)):
+        value = getattr(event, name)
+        if value is None and optional:
+            continue
+        if not _is(value, types):
+            return f"field {name} is {type(value).__name__}, expected {' or '.join(t.__name__ for t in types)}"
+        if items is not None and not all(_is(v, items) or (v is None and float in items) for v in value):
+            return f"field {name} has an item that is not {' or '.join(t.__name__ for t in items)}"
+    return None

@@ -27,7 +27,7 @@ from workbench.trace.events import (
     TokenChosen,
     event_from_json,
 )
-from workbench.trace.format import FORMAT, STEP_COLUMNS, events_sql, file_problem
+from workbench.trace.format import FORMAT, STEP_COLUMNS, events_sql, field_type_problem, file_problem
 
 if TYPE_CHECKING:
     import numpy as np
@@ -196,9 +196,13 @@ class Trace:
         event_id, step, req_id, kind, t, payload = row
         obj = {"kind": kind, "step": step, "req_id": req_id, "t": t, "payload": self._payload(event_id, payload)}
         try:
-            return event_from_json(obj)
-        except (TypeError, ValueError) as exc:
+            event = event_from_json(obj)
+        except Exception as exc:  # a damaged payload may break an event's own expansion in any way
             raise TraceError(f"{self.name}: corrupt event #{event_id} ({exc})") from None
+        problem = field_type_problem(event)
+        if problem is not None or not (req_id is None or isinstance(req_id, str)):
+            raise TraceError(f"{self.name}: corrupt event #{event_id} ({kind} {problem or 'req_id is not a string'})")
+        return event
 
     def _payload(self, event_id: int, text: Any) -> dict[str, Any]:
         try:
@@ -326,8 +330,13 @@ class Trace:
         frame = pd.DataFrame(
             [(r[2], p.get("position"), r[1], p.get("token_id"), p.get("text"), p.get("logprob"), p.get("rank"),
               p.get("source"), r[4]) for r, p in zip(rows, payloads, strict=True)], columns=_TOKEN_COLUMNS)
-        return frame.astype({"position": "Int64", "step": "int64", "token_id": "Int64", "rank": "Int64",
-                             "logprob": "float64", "t": "float64"})
+        try:
+            return frame.astype({"position": "Int64", "step": "int64", "token_id": "Int64", "rank": "Int64",
+                                 "logprob": "float64", "t": "float64"})
+        except Exception:  # pandas/pyarrow raise their own types: find the event and name it
+            for r in rows:
+                self._event(r)
+            raise TraceError(f"{self.name}: corrupt token events (a field has the wrong type)") from None
 
     def events_frame(self, kind: str | Sequence[str] | None = None, req_id: str | None = None,
                      step_range: tuple[int, int] | None = None, limit: int | None = None) -> pd.DataFrame:

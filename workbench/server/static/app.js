@@ -3,8 +3,9 @@
 // stamp) and the batch of each engine step. Plain JS, no build step.
 "use strict";
 
-const params = new URLSearchParams(location.search);
-const apiKey = params.get("api_key");
+// The API key comes in the URL fragment (/#api_key=KEY), which the browser never sends: it is
+// presented once in an Authorization header to get a short-lived session cookie for EventSource.
+const apiKey = new URLSearchParams(location.hash.slice(1)).get("api_key");
 const KINDS = "request.added,token,request.finished,schedule,forward_batch,forward,stamp";
 const MAX_REQUESTS = 30, MAX_TOKENS = 600, MAX_STEPS = 40;
 const requests = new Map();  // req_id -> {el, tokens, state}
@@ -13,7 +14,12 @@ let modelName = null;
 
 const $ = (id) => document.getElementById(id);
 const esc = (s) => s.replace(/[&<>"]/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]));
-const withKey = (url) => apiKey ? url + (url.includes("?") ? "&" : "?") + "api_key=" + encodeURIComponent(apiKey) : url;
+const SESSION_RENEW_MS = 240000;  // the server's session cookie lasts 600 s
+
+async function startSession() {
+  if (!apiKey) return;
+  await fetch("debug/session", {method: "POST", headers: {Authorization: `Bearer ${apiKey}`}});
+}
 
 function colour(logprob) {
   const p = logprob == null ? 0 : Math.exp(logprob);
@@ -152,7 +158,7 @@ function onStats(s) {
 }
 
 function connect() {
-  const es = new EventSource(withKey(`debug/events?kind=${KINDS}`));
+  const es = new EventSource(`debug/events?kind=${KINDS}`);
   es.onopen = () => { $("status").textContent = "live"; $("status").className = "status live"; };
   es.onerror = () => { $("status").textContent = "disconnected (retrying)"; $("status").className = "status down"; };
   es.onmessage = (msg) => {
@@ -218,4 +224,5 @@ $("try").addEventListener("submit", (e) => {
   if (prompt) send(prompt, Number($("max-tokens").value), Number($("temperature").value));
 });
 
-connect();
+startSession().finally(connect);
+if (apiKey) setInterval(startSession, SESSION_RENEW_MS);

@@ -1,0 +1,367 @@
+"""The hostile-client sweep of issue 19, rerunnable: hundreds of cases, each with the behaviour it must show.
+
+Categories (each case passes or is listed as a failure with what happened):
+- bad inputs on /v1/completions and /v1/chat/completions: a 4xx with an OpenAI-shaped error body
+  naming a parameter, never a 500, and the server answers a good request afterwards;
+- web-page reach: foreign Host headers, non-JSON content types, too many headers;
+- traversal on /debug/traces/{id}: 404/400, never a file's contents;
+- auth (a server with --api-key): the key only in `Authorization`, never in a URL or a cookie alone;
+- broken traces: every kind of damage through every reader method, diff and export: success or one
+  TraceError line naming the file, never another exception.
+
+    python benchmarks/hardening_sweep.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import shutil
+import sqlite3
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import httpx
+
+MODEL = "tiny-random"
+C, CH = "/v1/completions", "/v1/chat/completions"
+KEY = "sweep-secret-key"
+SECRET = "contents-that-must-not-leak"
+Results = dict[str, list[tuple[str, bool, str]]]
+
+
+def _bad_fields() -> list[tuple[str, dict]]:
+    """(name, fields) that must each be refused; applied to both endpoints."""
+    values: dict[str, list] = {
+        "temperature": [-1, 3.5, "hot", [1], {"a": 1}, 1e300],
+        "top_p": [0, -0.5, 1.5, "x", [0.5]],
+        "top_k": [-2, 0.5, "k", [1]],
+        "min_p": [-0.1, 1.5, "p"],
+        "max_tokens": [0, -1, 10**9, 4096, "ten", 1.5, [2], True],
+        "n": [0, -1, 17, 1000, "two", 1.5],
+        "seed": ["s", 1.5, [1]],
+        "stop": [5, [1, 2], {"a": "b"}, ["a"] * 100],
+        "frequency_penalty": [-3, 3, "f"],
+        "presence_penalty": [-3, 3, "p"],
+        "repetition_penalty": [0, -1, "r"],
+        "logit_bias": [{"x": 1}, {"999999999": 1}, {"1": 500}, [1], "b"],
+        "stream": ["yes", 2, [True]],
+        "stream_options": [{"include_usage": "yes"}, "u", [1]],
+        "model": ["other-model", 5, None, ""],
+        "response_format": [{"type": "xml"}, {"type": "json_schema"}, "json", {"type": "json_schema",
+                                                                               "json_schema": {"name": "x", "schema": {"type": 5}}}],
+        "regex": ["(unclosed", 5],
+        "unknown_field": [1],
+    }
+    out = []
+    for field, vals in values.items():
+        for v in vals:
+            out.append((f"{field}={json.dumps(v)[:30]}", {field: v}))
+    return out
+
+
+def _completion_only() -> list[tuple[str, dict]]:
+    return [(f"prompt={json.dumps(p)[:30]}", {"prompt": p}) for p in
+            ["", [], [[]], [-1], [10**9], [1.5], [[1], ["a"]], 5, None, {"a": 1}, "word " * 2600, ["hi"] * 3000]] + \
+        [("logprobs=21", {"logprobs": 21}), ("logprobs=-1", {"logprobs": -1}), ("suffix", {"suffix": "x"}),
+         ("best_of=3", {"best_of": 3}), ("echo+logprobs", {"echo": True, "logprobs": 1})]
+
+
+def _chat_only() -> list[tuple[str, dict]]:
+    bad_tool = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]
+    return [(f"messages={json.dumps(m)[:30]}", {"messages": m}) for m in
+            [[], "hi", [{"role": "user"}], [{"role": "wizard", "content": "x"}], [{"content": "x"}], [5], None,
+             [{"role": "user", "content": 5}]]] + \
+        [(f"tools broken, tool_choice={tc}", {"tools": bad_tool, **({"tool_choice": tc} if tc else {})})
+         for tc in (None, "auto", "none", "required")] + \
+        [("tool_choice without tools", {"tool_choice": "required"}),
+         ("tool_choice unknown function", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                           "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+         ("top_logprobs=21", {"logprobs": True, "top_logprobs": 21}),
+         ("max_completion_tokens=4096", {"max_completion_tokens": 4096})]
+
+
+def sweep_inputs(url: str, res: Results) -> None:
+    base = {C: {"model": MODEL, "prompt": "hi", "max_tokens": 2}, CH: {"model": MODEL, "max_tokens": 2,
+                                                                    "messages": [{"role": "user", "content": "hi"}]}}
+    raw_bodies = [("not JSON", b"{nope"), ("JSON array", b"[1,2]"), ("JSON string", b'"x"'), ("empty", b""),
+                  ("bad UTF-8", b'{"model": "\xff"}'), ("NaN", b'{"model": "tiny-random", "prompt": "x", "temperature": NaN}'),
+                  ("huge", b'{"prompt": "' + b"a" * (5 << 20) + b'"}')]
+    with httpx.Client(base_url=url, timeout=120) as http:
+        for path in (C, CH):
+            cases = _bad_fields() + (_completion_only() if path == C else _chat_only())
+            for name, fields in cases:
+                body = {**base[path], **fields}
+                if fields.get("model", "x") is None:
+                    body.pop("model")
+                resp = http.post(path, json=body)
+                ok, note = _is_api_error(resp, (400, 404, 413, 422))
+                res[f"bad input {path}"].append((name, ok, note))
+            for name, raw in raw_bodies:
+                resp = http.post(path, content=raw, headers={"content-type": "application/json"})
+                ok, note = _is_api_error(resp, (400, 413))
+                res[f"bad input {path}"].append((f"raw {name}", ok, note))
+            good = http.post(path, json=base[path])
+            res[f"bad input {path}"].append(("a good request afterwards", good.status_code == 200, str(good.status_code)))
+
+
+def _is_api_error(resp: httpx.Response, statuses: tuple[int, ...]) -> tuple[bool, str]:
+    try:
+        err = resp.json()["error"]
+        shaped = set(err) == {"message", "type", "param", "code"} and bool(err["message"])
+    except Exception:
+        shaped = False
+    return resp.status_code in statuses and shaped, f"HTTP {resp.status_code} {resp.text[:120]!r}"
+
+
+def sweep_reach(url: str, port: int, res: Results) -> None:
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", "localhost.evil",
+                     "10.0.0.1", "", "[::2]"):
+            resp = http.get("/debug/traces", headers={"Host": host})
+            res["web-page reach"].append((f"Host {host!r}", resp.status_code == 400, str(resp.status_code)))
+        for host in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
+            resp = http.get("/debug/traces", headers={"Host": host})
+            res["web-page reach"].append((f"Host {host!r} allowed", resp.status_code == 200, str(resp.status_code)))
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+        for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+                      "", "application/jsonx", "text/json"):
+            resp = http.post(C, content=body, headers={"content-type": ctype} if ctype else {})
+            ok, note = _is_api_error(resp, (415,))
+            res["web-page reach"].append((f"Content-Type {ctype!r}", ok, note))
+        for count in (150, 1000, 10_000):
+            resp = http.get("/health", headers=[(f"x-h{i}", "v") for i in range(count)])
+            res["web-page reach"].append((f"{count} headers", resp.status_code in (400, 431), str(resp.status_code)))
+        resp = http.get("/debug/traces/kept")
+        res["web-page reach"].append(("download nosniff", resp.headers.get("x-content-type-options") == "nosniff",
+                                      str(dict(resp.headers))[:80]))
+
+
+def sweep_traversal(url: str, res: Results) -> None:
+    ids = ["../secret.txt", "..%2Fsecret.txt", "%2e%2e%2fsecret.txt", "..%252Fsecret.txt", "/etc/passwd",
+           "..\\secret.txt", "kept/../../secret.txt", "....//secret.txt", "%00", "kept%00.txt", "secret.txt",
+           "secret", ".", "..", "kept.wbtrace/..", "~", "%2Fetc%2Fpasswd", "a" * 5000]
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for tid in ids:
+            resp = http.get(f"/debug/traces/{tid}")
+            leaked = SECRET in resp.text or "root:" in resp.text
+            # httpx normalises "x/." and "x/.." itself: those reach the listing, which is fine
+            listing = resp.status_code == 200 and resp.headers.get("content-type", "").startswith("application/json") \
+                and resp.json().get("object") == "list"
+            res["traversal"].append((tid[:40], (resp.status_code in (400, 404, 414) or listing) and not leaked,
+                                     f"HTTP {resp.status_code}"))
+
+
+def sweep_auth(url: str, res: Results) -> None:
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    with httpx.Client(base_url=url, timeout=60) as http:
+        checks: list[tuple[str, httpx.Response, int]] = []
+        for path in ("/v1/models", "/metrics", "/debug/traces", "/debug/events"):
+            checks += [(f"GET {path} no key", http.get(path), 401),
+                       (f"GET {path} ?api_key=", http.get(path, params={"api_key": KEY}), 401),
+                       (f"GET {path} wrong key", http.get(path, headers={"Authorization": "Bearer nope"}), 401),
+                       (f"GET {path} Basic", http.get(path, headers={"Authorization": f"Basic {KEY}"}), 401),
+                       (f"GET {path} forged cookie", http.get(path, headers={"Cookie": "workbench_session=x"}), 401)]
+        for path in (C, CH):
+            checks += [(f"POST {path} no key", http.post(path, json=body), 401),
+                       (f"POST {path} ?api_key=", http.post(path, json=body, params={"api_key": KEY}), 401)]
+        checks += [("GET /health open", http.get("/health"), 200), ("GET / open (the page)", http.get("/"), 200),
+                   ("session with a wrong key", http.post("/debug/session", headers={"Authorization": "Bearer x"}), 401)]
+        good = http.post("/debug/session", headers={"Authorization": f"Bearer {KEY}"})
+        checks += [("session with the key", good, 204), ("GET /debug/traces with the session", http.get("/debug/traces"), 200),
+                   ("POST with the session cookie only", http.post(C, json=body), 401)]
+        http.cookies.clear()
+        checks.append(("POST with the key", http.post(C, json=body, headers={"Authorization": f"Bearer {KEY}"}), 200))
+        for name, resp, want in checks:
+            res["auth"].append((name, resp.status_code == want, f"HTTP {resp.status_code}"))
+
+
+def slow_subscribers(url: str, count: int = 100) -> dict:
+    """16 concurrent requests with no debug subscriber, then with `count` that subscribe and never read."""
+    import asyncio
+
+    async def burst() -> float:
+        body = {"model": MODEL, "prompt": "tell me a story", "max_tokens": 64, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+            t0 = time.perf_counter()
+            resps = await asyncio.gather(*(http.post(C, json=body) for _ in range(16)))
+            assert all(r.status_code == 200 for r in resps)
+            return time.perf_counter() - t0
+
+    quiet = asyncio.run(burst())
+    clients = [httpx.Client(base_url=url, timeout=300) for _ in range(count)]
+    streams = [c.stream("GET", "/debug/events") for c in clients]
+    refused = sum(st.__enter__().status_code == 503 for st in streams)  # subscribed; nobody reads what arrives
+    try:
+        loaded = asyncio.run(burst())
+    finally:
+        for st, c in zip(streams, clients):
+            st.__exit__(None, None, None)
+            c.close()
+    return {"without_s": quiet, "with_s": loaded, "subscribers": count, "refused": refused}
+
+
+# --- broken traces --------------------------------------------------------------------------------
+
+
+def _sql(*statements: str) -> Callable[[Path], None]:
+    def damage(path: Path) -> None:
+        with sqlite3.connect(path) as db:
+            for s in statements:
+                db.execute(s)
+    return damage
+
+
+def _bytes(at: float, length: int, fill: int | None = None) -> Callable[[Path], None]:
+    def damage(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        start = max(4096, int(len(data) * at))
+        for i in range(start, min(start + length, len(data))):
+            data[i] = fill if fill is not None else data[i] ^ 0xFF
+        path.write_bytes(bytes(data))
+    return damage
+
+
+def _truncate(frac: float) -> Callable[[Path], None]:
+    def damage(path: Path) -> None:
+        data = path.read_bytes()
+        path.write_bytes(data[: int(len(data) * frac)])
+    return damage
+
+
+TOKEN = "UPDATE events SET payload = json_set(payload, {}) WHERE kind = 'token'"
+DAMAGES: dict[str, Callable[[Path], None]] = {
+    "bit-flipped page (middle)": _bytes(0.5, 3000), "bit-flipped page (end)": _bytes(0.9, 3000),
+    "zeroed page": _bytes(0.6, 4096, 0), "truncated to half": _truncate(0.5), "truncated to 90%": _truncate(0.9),
+    "payload not JSON": _sql("UPDATE events SET payload = '{not json' WHERE id = 5"),
+    "payload an array": _sql("UPDATE events SET payload = '[1, 2]' WHERE id = 5"),
+    "payload a number": _sql("UPDATE events SET payload = '7' WHERE id = 6"),
+    "payload empty": _sql("UPDATE events SET payload = '' WHERE id = 7"),
+    "payload unknown field": _sql("UPDATE events SET payload = json_set(payload, '$.zzz', 1) WHERE id = 8"),
+    "unknown event kind": _sql("UPDATE events SET kind = 'mystery' WHERE id = 5"),
+    "token position a string": _sql(TOKEN.format("'$.position', 'x'")),
+    "token id a string": _sql(TOKEN.format("'$.token_id', '7'")),
+    "token logprob a list": _sql(TOKEN.format("'$.logprob', json('[1]')")),
+    "token top_logprobs a dict": _sql(TOKEN.format("'$.top_logprobs', json('{}')")),
+    "request prompt_ids strings": _sql("UPDATE events SET payload = json_set(payload, '$.prompt_ids', "
+                                       "json('[\"a\"]')) WHERE kind = 'request.added'"),
+    "req_id a number": _sql("UPDATE events SET req_id = 5 WHERE id = 9"),
+    "step not a number": _sql("UPDATE events SET step = 'x' WHERE id = 9"),
+    "model meta a string": _sql("UPDATE meta SET value = '\"tiny-random\"' WHERE key = 'model'"),
+    "engine meta a list": _sql("UPDATE meta SET value = '[1]' WHERE key = 'engine'"),
+    "meta value not JSON": _sql("UPDATE meta SET value = '{' WHERE key = 'engine'"),
+    "schema_version a string": _sql("UPDATE meta SET value = '\"2\"' WHERE key = 'schema_version'"),
+    "steps req_ids not JSON": _sql("UPDATE steps SET req_ids = '[oops'"),
+    "steps table dropped": _sql("DROP TABLE steps"),
+    "events table dropped": _sql("DROP TABLE events"),
+    "tensor bytes garbage": _sql("INSERT INTO tensors (name, step, req_id, data) VALUES ('x', 1, NULL, x'00ff')"),
+}
+
+
+def _readers() -> dict[str, Callable]:
+    return {"steps": lambda t: t.steps(), "step(n)": lambda t: [t.step(s.step) for s in t.steps()],
+            "events": lambda t: list(t.events()), "requests": lambda t: t.requests(),
+            "timeline": lambda t: [t.timeline(r.req_id) for r in t.requests()],
+            "steps_frame": lambda t: t.steps_frame(), "tokens_frame": lambda t: t.tokens_frame(),
+            "events_frame": lambda t: t.events_frame(), "tensors": lambda t: [t.tensor(n) for n in t.tensor_names()],
+            "check": lambda t: t.check(), "last_complete_step": lambda t: t.last_complete_step}
+
+
+def sweep_traces(good: Path, work: Path, res: Results) -> None:
+    from workbench.cli import main as cli_main
+    from workbench.trace.reader import TraceError, open_trace
+
+    for kind, damage in DAMAGES.items():
+        path = work / (kind.replace(" ", "-").replace("(", "").replace(")", "") + ".wbtrace")
+        shutil.copy(good, path)
+        damage(path)
+        try:
+            trace = open_trace(path)
+        except Exception as exc:
+            ok = isinstance(exc, TraceError) and str(exc).startswith(path.name) and "\n" not in str(exc)
+            res["broken traces"].append((f"{kind}: open", ok, f"{type(exc).__name__}: {exc}"[:120]))
+            continue
+        with trace:
+            for name, read in _readers().items():
+                try:
+                    read(trace)
+                    ok, note = True, "read"
+                except Exception as exc:
+                    ok = isinstance(exc, TraceError) and str(exc).startswith(path.name) and "\n" not in str(exc)
+                    note = f"{type(exc).__name__}: {exc}"[:120]
+                res["broken traces"].append((f"{kind}: {name}", ok, note))
+        for argv in (["diff", str(good), str(path)], ["export", str(path), "--perfetto", str(work / "p.json"),
+                                                       "--tokens", str(work / "t.csv")]):
+            err = io.StringIO()
+            try:
+                with redirect_stderr(err), redirect_stdout(io.StringIO()):
+                    code = cli_main(argv)
+                text = err.getvalue().strip()
+                ok = code in (0, 1) or (code == 2 and len(text.splitlines()) == 1 and path.name in text)
+                note = f"exit {code}: {text[:100]}"
+            except Exception as exc:
+                ok, note = False, f"{type(exc).__name__}: {exc}"[:120]
+            res["broken traces"].append((f"{kind}: workbench {argv[0]}", ok, note))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    from workbench.engine.engine import Engine
+    from workbench.engine.sample.sampling_params import SamplingParams
+    from workbench.models.loader import load_model
+    from workbench.server.app import create_app
+    from workbench.server.background import BackgroundServer
+    from workbench.server.event_hub import EventHub
+    from workbench.trace.store import TraceWriter
+
+    res: Results = defaultdict(list)
+    loaded = load_model(MODEL, device="cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "secret.txt").write_text(SECRET)
+        traces = root / "traces"
+        traces.mkdir()
+        with TraceWriter(traces / "kept.wbtrace"):
+            pass
+        for api_key in (None, KEY):
+            engine = Engine(loaded, trace_level="summary", trace_sinks=[EventHub()])
+            app = create_app(engine, model_name=MODEL, trace_dir=traces, api_key=api_key, max_body_bytes=1 << 20)
+            with BackgroundServer(app) as srv:
+                if api_key is None:
+                    sweep_inputs(srv.url, res)
+                    sweep_reach(srv.url, srv.port, res)
+                    sweep_traversal(srv.url, res)
+                    subs = slow_subscribers(srv.url)
+                else:
+                    sweep_auth(srv.url, res)
+            engine.close()
+        good = root / "good.wbtrace"
+        with Engine(loaded, trace=str(good), trace_level="summary") as engine:
+            engine.generate(["one", "two two", "three three three"],
+                            SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True, logprobs=True))
+        sweep_traces(good, root, res)
+    total = sum(len(v) for v in res.values())
+    passed = sum(ok for v in res.values() for _, ok, _ in v)
+    for category, cases in res.items():
+        bad = [(n, note) for n, ok, note in cases if not ok]
+        print(f"{category:28s} {len(cases) - len(bad):4d} / {len(cases):4d} behaved")
+        for name, note in bad:
+            print(f"    FAILED {name}: {note}")
+    print(f"{'total':28s} {passed:4d} / {total:4d} behaved")
+    print(f"16 requests x 64 tokens: {subs['without_s']:.2f} s with no debug subscriber, {subs['with_s']:.2f} s with "
+          f"{subs['subscribers']} that subscribe and never read ({subs['refused']} of them refused with 503)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({k: [list(c) for c in v] for k, v in res.items()}, indent=1))
+    return 0 if passed == total else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
