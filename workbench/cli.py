@@ -42,7 +42,8 @@ def _make_engine(args: argparse.Namespace, trace: str | None = None):
 def cmd_generate(args: argparse.Namespace) -> int:
     from workbench.engine.sample.sampling_params import params_from_args
 
-    params = params_from_args(args)
+    params = params_from_args(args)  # a bad flag fails here, before the model loads
+    params._validate_grammar()
     engine = _make_engine(args)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     final = None
@@ -153,66 +154,128 @@ def cmd_make_traces(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _bench_names() -> list[str]:
+    """The benchmarks in benchmarks/ (a source checkout); empty when the folder is not there."""
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    return sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
+
+
+# One function per subcommand's parser: adding a subcommand is adding a function to SUBCOMMANDS.
+
+
+def _p_generate(sub) -> None:
     from workbench.engine.sample.sampling_params import add_sampling_args
 
-    parser = argparse.ArgumentParser(prog="workbench", description="See inside an LLM inference engine.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("generate", help="stream a completion to the terminal")
+    p = _add(sub, "generate", "stream a completion to the terminal")
     p.add_argument("prompt")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
     _engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("demo", help="record a demo trace on the default model, then open the TUI")
+
+
+def _p_demo(sub) -> None:
+    p = _add(sub, "demo", "record a demo trace on the default model, then open the TUI")
     p.add_argument("--out", default="demo.wbtrace")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--spec", default="ngram:k=4")
     p.add_argument("--no-tui", action="store_true")
     p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("tui", help="step through a trace, or follow a live server (FILE | --live URL; "
-                       "--step N --request ID --screenshot OUT.svg ...)", add_help=False)
+
+
+def _p_tui(sub) -> None:
+    p = _add(sub, "tui", "step through a trace, or follow a live server (FILE | --live URL; "
+             "--step N --request ID --screenshot OUT.svg ...)", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_tui)
-    p = sub.add_parser("serve", help="OpenAI-compatible server with a live trace stream")
-    try:
-        from workbench.server.cli_args import add_serve_args
-    except ImportError:  # the server package is optional at parse time
-        add_serve_args = None
-    if add_serve_args is not None:
-        add_serve_args(p)
+
+
+def _p_serve(sub) -> None:
+    from workbench.server.cli_args import add_serve_args
+
+    p = _add(sub, "serve", "OpenAI-compatible server with a live trace stream")
+    add_serve_args(p)
     p.set_defaults(func=cmd_serve)
-    p = sub.add_parser("client", help="concurrent streaming requests: client vs server TTFT and inter-token latency")
+
+
+def _p_client(sub) -> None:
     from workbench.client import add_client_args
 
+    p = _add(sub, "client", "concurrent streaming requests: client vs server TTFT and inter-token latency")
     add_client_args(p)
     p.set_defaults(func=cmd_client)
-    p = sub.add_parser("replay", help="re-execute a trace and report the first divergence")
+
+
+def _p_replay(sub) -> None:
+    p = _add(sub, "replay", "re-execute a trace and report the first divergence")
     p.add_argument("trace")
     p.add_argument("--tolerance", type=float, default=1e-3)
     p.add_argument("--override", action="append", default=[], metavar="REQ:FIELD=VALUE",
                    help="change a recorded request's sampling parameter, or engine.FIELD=VALUE")
     p.add_argument("--device", default=None)
     p.set_defaults(func=cmd_replay)
-    p = sub.add_parser("diff", help="line two traces up and report the first divergence")
+
+
+def _p_diff(sub) -> None:
+    p = _add(sub, "diff", "line two traces up and report the first divergence")
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--tolerance", type=float, default=1e-3)
     p.set_defaults(func=cmd_diff)
-    p = sub.add_parser("export", help="export a trace to Perfetto JSON or a per-token table")
+
+
+def _p_export(sub) -> None:
+    p = _add(sub, "export", "export a trace to Perfetto JSON or a per-token table")
     p.add_argument("trace")
     p.add_argument("--perfetto", metavar="OUT.json")
     p.add_argument("--tokens", metavar="OUT.parquet|csv")
     p.set_defaults(func=cmd_export)
-    p = sub.add_parser("bench", help="run a benchmark from benchmarks/ (throughput, spec_decode, ...)")
-    p.add_argument("name")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+
+
+def _p_bench(sub) -> None:
+    names = _bench_names()
+    p = _add(sub, "bench", "run a benchmark from benchmarks/ (" + (", ".join(names) or "none found") + ")")
+    p.add_argument("name", choices=names or None, metavar="NAME",
+                   help="one of: " + (", ".join(names) or "(no benchmarks/ folder)"))
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (NAME --help)")
     p.set_defaults(func=cmd_bench)
-    p = sub.add_parser("make-traces", help="regenerate the example traces in traces/")
+
+
+def _p_make_traces(sub) -> None:
+    p = _add(sub, "make-traces", "regenerate the example traces in traces/")
     p.add_argument("folder", nargs="?", default="traces")
     p.add_argument("--model", default="smollm2")
     p.set_defaults(func=cmd_make_traces)
+
+
+SUBCOMMANDS = [_p_generate, _p_demo, _p_tui, _p_serve, _p_client, _p_replay, _p_diff, _p_export, _p_bench,
+               _p_make_traces]
+
+
+def _add(sub, name: str, help: str, **kw) -> argparse.ArgumentParser:
+    """A subcommand parser: no prefix matching (`--max-new-token` is an error, not a guess)."""
+    return sub.add_parser(name, help=help, description=help, allow_abbrev=False, **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from workbench import __version__
+
+    parser = argparse.ArgumentParser(prog="workbench", description="See inside an LLM inference engine.",
+                                     allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"workbench {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
     return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse; an unknown flag after a subcommand is reported with that subcommand's usage."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -222,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(tui.main(argv[1:]) or 0)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
