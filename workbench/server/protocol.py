@@ -12,6 +12,7 @@ beyond OpenAI's are the engine's own sampling parameters (top_k, min_p, ...), as
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Literal
 
@@ -28,6 +29,7 @@ from pydantic import (
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
 MAX_STOP = 16
+log = logging.getLogger("workbench.server")
 
 
 class _Strict(BaseModel):
@@ -39,6 +41,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted, ignored: no obfuscation padding is sent
 
 
 class JsonSchemaFormat(_Strict):
@@ -142,6 +145,12 @@ class _SamplingFields(_Strict):
     spaces_between_special_tokens: bool = True
     regex: str | None = None
     ebnf: str | None = None
+    # OpenAI fields accepted and ignored (agent frameworks send them); each use is logged once per request
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -162,6 +171,19 @@ class _SamplingFields(_Strict):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    @model_validator(mode="after")
+    def _note_ignored(self) -> _SamplingFields:
+        given = sorted(IGNORED_FIELDS & self.model_fields_set)
+        if self.stream_options is not None and self.stream_options.include_obfuscation is not None:
+            given.append("stream_options.include_obfuscation")
+        if given:
+            log.info("request fields accepted and ignored (no effect on this server): %s", ", ".join(given))
+        return self
+
+
+IGNORED_FIELDS = frozenset({"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
+                            "reasoning_effort", "user", "modalities"})
 
 
 class CompletionRequest(_SamplingFields):
@@ -202,6 +224,28 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # ignored: no reasoning
+    modalities: list[Literal["text"]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_functions(cls, data: Any) -> Any:
+        """`functions` / `function_call` (OpenAI's older names) become `tools` / `tool_choice`."""
+        if not isinstance(data, dict) or ("functions" not in data and "function_call" not in data):
+            return data
+        if "tools" in data or "tool_choice" in data:
+            raise ValueError("functions/function_call are the legacy form of tools/tool_choice; give one form")
+        data = dict(data)
+        functions, call = data.pop("functions", None), data.pop("function_call", None)
+        if functions is not None:
+            if not isinstance(functions, list):
+                raise ValueError("functions must be a list of function definitions")
+            data["tools"] = [{"type": "function", "function": f} for f in functions]
+        if isinstance(call, dict) and set(call) == {"name"}:
+            call = {"type": "function", "function": call}
+        if call is not None:
+            data["tool_choice"] = call
+        return data
 
     @field_validator("tool_choice")
     @classmethod
