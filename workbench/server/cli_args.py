@@ -100,6 +100,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
                    help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own (default: 0)")
+    o = parser.add_argument_group("tool calls (vLLM names)")
+    o.add_argument("--tool-call-parser", default="hermes", choices=("hermes", "llama3_json", "mistral", "pythonic"),
+                   help="the format the model writes tool calls in (default: hermes, SmolLM2's)")
+    o.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM compatibility: tool_choice 'auto' is always on")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -174,6 +179,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
     app = create_app(engine, model_name=args.served_model_name or args.model, hub=hub, trace_dir=trace_dir,
                      trace_writer=writer, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      default_max_tokens=args.default_max_tokens, close_engine=True, stream_limits=limits)
+    app.state.workbench.extra["tool_call_parser"] = getattr(args, "tool_call_parser", "hermes")
     return engine, app
 
 

@@ -145,8 +145,7 @@ class _SamplingFields(_Strict):
     spaces_between_special_tokens: bool = True
     regex: str | None = None
     ebnf: str | None = None
-    # OpenAI fields accepted and ignored (agent frameworks send them); each use is logged once per request
-    store: bool | None = None
+    store: bool | None = None  # these five: OpenAI fields accepted and ignored, noted in the log (_note_ignored)
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
@@ -174,16 +173,14 @@ class _SamplingFields(_Strict):
 
     @model_validator(mode="after")
     def _note_ignored(self) -> _SamplingFields:
-        given = sorted(IGNORED_FIELDS & self.model_fields_set)
-        if self.stream_options is not None and self.stream_options.include_obfuscation is not None:
-            given.append("stream_options.include_obfuscation")
+        given = sorted(IGNORED_FIELDS & self.model_fields_set) + ["stream_options.include_obfuscation"] * (
+            self.stream_options is not None and self.stream_options.include_obfuscation is not None)
         if given:
             log.info("request fields accepted and ignored (no effect on this server): %s", ", ".join(given))
         return self
 
 
-IGNORED_FIELDS = frozenset({"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
-                            "reasoning_effort", "user", "modalities"})
+IGNORED_FIELDS = frozenset("store metadata service_tier prompt_cache_key safety_identifier reasoning_effort user".split())
 
 
 class CompletionRequest(_SamplingFields):
@@ -225,12 +222,10 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     parallel_tool_calls: bool = True
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # ignored: no reasoning
-    modalities: list[Literal["text"]] | None = None
 
-    @model_validator(mode="before")
+    @model_validator(mode="before")  # `functions` / `function_call` (OpenAI's older names): `tools` / `tool_choice`
     @classmethod
     def _legacy_functions(cls, data: Any) -> Any:
-        """`functions` / `function_call` (OpenAI's older names) become `tools` / `tool_choice`."""
         if not isinstance(data, dict) or ("functions" not in data and "function_call" not in data):
             return data
         if "tools" in data or "tool_choice" in data:
@@ -238,14 +233,10 @@ class ChatCompletionRequest(_SamplingFields):
         data = dict(data)
         functions, call = data.pop("functions", None), data.pop("function_call", None)
         if functions is not None:
-            if not isinstance(functions, list):
-                raise ValueError("functions must be a list of function definitions")
-            data["tools"] = [{"type": "function", "function": f} for f in functions]
-        if isinstance(call, dict) and set(call) == {"name"}:
-            call = {"type": "function", "function": call}
-        if call is not None:
-            data["tool_choice"] = call
-        return data
+            data["tools"] = [{"type": "function", "function": f} for f in functions] if isinstance(
+                functions, list) else functions  # not a list: refused as `tools`
+        named = isinstance(call, dict) and set(call) == {"name"}  # {"name": f} is tool_choice's function form
+        return {**data, "tool_choice": {"type": "function", "function": call} if named else call} if call else data
 
     @field_validator("tool_choice")
     @classmethod
@@ -311,8 +302,24 @@ class ToolCallOut(BaseModel):
     function: FunctionCall
 
 
-class ToolCallDelta(ToolCallOut):
+class _DropNone(BaseModel):
+    """Fields that carry nothing are left out of the JSON, as OpenAI's stream deltas do."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionCallDelta(_DropNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_DropNone):  # the first delta of a call: id, type, name, arguments ""; then arguments
     index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class CompletionChoice(BaseModel):
@@ -355,16 +362,12 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_DropNone):
     """A stream delta: fields that carry nothing are left out, as OpenAI does."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_empty(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):
