@@ -55,6 +55,7 @@ def build_parser(prog: str = "workbench tui") -> argparse.ArgumentParser:
     parser.add_argument("--api-key", metavar="KEY", default=os.environ.get("WORKBENCH_API_KEY"),
                         help="the server's API key for --live (default: $WORKBENCH_API_KEY)")
     parser.add_argument("--screenshot", metavar="OUT.svg", help="save the screen as SVG (headless, 160x48) and exit")
+    parser.add_argument("--size", metavar="COLSxROWS", default="160x48", help="--screenshot terminal size (default 160x48)")
     parser.add_argument("--no-times", action="store_true", help="hide timings (for reproducible screenshots)")
     return parser
 
@@ -82,7 +83,10 @@ def _screenshot(args: argparse.Namespace) -> int:
     if args.file is None:
         raise ValueError("--screenshot needs a trace FILE")
     with open_trace(args.file) as source:
+        cols, _, rows = args.size.partition("x")
+        if not (cols.isdigit() and rows.isdigit()):
+            raise ValueError(f"--size must be COLSxROWS, e.g. 80x24, got {args.size!r}")
         out = screenshot(source, args.screenshot, step=args.step, request=args.request, tokenizer=args.tokenizer,
-                         show_times=not args.no_times)
+                         show_times=not args.no_times, size=(int(cols), int(rows)))
     print(out)
     return 0
