@@ -8,8 +8,9 @@ User errors (bad values, unreadable traces) print one line and exit 2; no traceb
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 DEMO_CHATS = [
@@ -30,11 +31,35 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-level", default="summary", choices=["off", "summary", "full"])
 
 
+@contextlib.contextmanager
+def loading(what: str) -> Iterator[None]:
+    """A status line on stderr while something loads: `loading smollm2 … 12 s`, ticking on a terminal."""
+    import threading
+    import time
+
+    start, done = time.monotonic(), threading.Event()
+    tty = sys.stderr.isatty()
+    print(f"loading {what} …", end="" if tty else "\n", file=sys.stderr, flush=True)
+
+    def tick() -> None:
+        while not done.wait(1.0):
+            print(f"\rloading {what} … {time.monotonic() - start:.0f} s", end="", file=sys.stderr, flush=True)
+
+    ticker = threading.Thread(target=tick, daemon=True) if tty else None
+    if ticker is not None:
+        ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        print(f"{chr(13) if tty else ''}loaded {what} in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+
+
 def _make_engine(args: argparse.Namespace, trace: str | None = None):
     from workbench.engine.engine import Engine
 
-    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    return Engine(args.model, device=args.device, spec=args.spec, chunk_size=args.chunk_size,
+    with loading(args.model):
+        return Engine(args.model, device=args.device, spec=args.spec, chunk_size=args.chunk_size,
                   max_batch_tokens=args.max_batch_tokens, trace=trace if trace is not None else args.trace,
                   trace_level=args.trace_level if (trace or args.trace) else "off")
 
@@ -63,7 +88,9 @@ def record_demo(path: str, model: str = "smollm2", spec: str | None = "ngram:k=4
     from workbench.engine.sample.sampling_params import SamplingParams
 
     Path(path).unlink(missing_ok=True)
-    with Engine(model, trace=path, trace_level="summary", spec=spec) as engine:
+    with loading(f"{model} (the first run converts its GGUF file once)"):
+        engine = Engine(model, trace=path, trace_level="summary", spec=spec)
+    with engine:
         params = [SamplingParams(temperature=0, max_new_tokens=48),
                   SamplingParams(temperature=0, max_new_tokens=48, stop=["\n3"]),
                   SamplingParams(temperature=0.8, seed=7, max_new_tokens=40),
