@@ -70,5 +70,9 @@ bench: $(STAMP) peers
 traces: $(STAMP)
 	$(PY) -m workbench.cli make-traces traces/
 
+notebooks: $(STAMP)
+	$(call say,running the tutorial notebooks and storing them with their outputs)
+	$(PY) notebooks/execute.py
+
 clean:
 	rm -f $(STAMP) $(VLLM_VENV)/.stamp $(LLAMACPP_VENV)/.stamp

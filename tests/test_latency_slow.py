@@ -196,7 +196,7 @@ def test_past_the_byte_limit_the_slow_request_is_aborted_and_its_slots_freed(ser
     assert summary["aborted"] == "output buffer overflow"
     assert limit < summary["max_pending_bytes"] <= limit + 8192  # bounded: the limit plus the delta that crossed it
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'workbench_stream_aborts_total{reason="output buffer overflow"} 1' in metrics
+    assert 'workbench_stream_aborts_total{reason="output buffer overflow"} 1.0' in metrics
 
 
 def test_a_client_that_stops_reading_is_aborted_after_the_send_timeout(server):
@@ -210,7 +210,7 @@ def test_a_client_that_stops_reading_is_aborted_after_the_send_timeout(server):
     assert wait_until(lambda: kv_all_free(server.engine))
     assert lat.serialized and len(lat.written) < len(lat.serialized) + 1  # the stuck frame was never written
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'workbench_stream_aborts_total{reason="send timeout"} 1' in metrics
+    assert 'workbench_stream_aborts_total{reason="send timeout"} 1.0' in metrics
 
 
 def test_client_modes_share_one_view_of_the_server(server):

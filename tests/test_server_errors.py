@@ -252,4 +252,4 @@ def test_engine_failure_mid_stream_sends_error_then_done_and_engine_survives(sol
         again = http.post(CH, json=ch(max_tokens=3, ignore_eos=True))
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 3
         metrics = http.get("/metrics").text
-        assert "workbench_engine_step_failures_total 1" in metrics
+        assert "workbench_engine_step_failures_total 1.0" in metrics

@@ -119,7 +119,7 @@ async def test_live_mode_shows_each_new_step_within_a_second(server: StandInServ
         assert max(latencies) < 1.0, latencies
         await settle(pilot)
         assert [r.split()[:2] for r in screen.timeline.visible_rows()] == [["1", "EXTEND"], ["2", "MIXED"],
-                                                                           ["3", "DECODE"]]
+                                                                           ["3", "VERIFY"]]  # the verify step, labelled as one
         assert screen.sel.step == 3  # live mode follows the newest step
         assert "forward  TARGET_VERIFY  batch_size 3  tokens 11" in pane(screen, "batch")
         status = str(screen.query_one("#status").render())

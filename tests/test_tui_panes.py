@@ -64,7 +64,7 @@ async def test_timeline_lists_every_step_with_mode_batch_tokens_and_time(example
     async with tui(example_trace) as (pilot, screen):
         rows = [r.split() for r in screen.timeline.visible_rows()]
         assert rows == [["1", "EXTEND", "2", "13", "2", "6.5"], ["2", "MIXED", "3", "9", "3", "5.2"],
-                        ["3", "DECODE", "3", "11", "9", "9.8", "6/8"], ["4", "DECODE", "3", "3", "3", "4.5"],
+                        ["3", "VERIFY", "3", "11", "9", "9.8", "6/8"], ["4", "DECODE", "3", "3", "3", "4.5"],
                         ["5", "DECODE", "2", "2", "2", "4.2"], ["6", "DECODE", "1", "1", "1", "4.0"]]
         assert screen.sel.step == 1 and screen.sel.req_id == "req-0"
 

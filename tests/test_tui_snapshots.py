@@ -21,3 +21,10 @@ from tui.app import WorkbenchApp
 def test_main_screen(snap_compare, example_trace: Path, step: int, request_id: str) -> None:  # noqa: ANN001
     app = WorkbenchApp(str(example_trace), step=step, request=request_id)
     assert snap_compare(app, terminal_size=SIZE, run_before=settle)
+
+
+@pytest.mark.parametrize("key", ["1", "3", "6"], ids=["batch", "tokens", "finish"])
+def test_compact_screen_80x24(snap_compare, example_trace: Path, key: str) -> None:  # noqa: ANN001
+    """An 80x24 terminal: the timeline beside one pane at a time, the pane bar naming all six."""
+    app = WorkbenchApp(str(example_trace), step=3, request="req-1")
+    assert snap_compare(app, terminal_size=(80, 24), press=[key], run_before=settle)

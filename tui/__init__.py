@@ -55,6 +55,8 @@ def build_parser(prog: str = "workbench tui") -> argparse.ArgumentParser:
     parser.add_argument("--api-key", metavar="KEY", default=os.environ.get("WORKBENCH_API_KEY"),
                         help="the server's API key for --live (default: $WORKBENCH_API_KEY)")
     parser.add_argument("--screenshot", metavar="OUT.svg", help="save the screen as SVG (headless, 160x48) and exit")
+    parser.add_argument("--size", metavar="COLSxROWS", default="160x48", help="--screenshot terminal size (default 160x48)")
+    parser.add_argument("--web", metavar="[HOST:]PORT", help="serve this TUI in a browser (textual-serve), e.g. --web 8566")
     parser.add_argument("--no-times", action="store_true", help="hide timings (for reproducible screenshots)")
     return parser
 
@@ -68,6 +70,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "workbench tui") -> int:
     try:
         if args.screenshot:
             return _screenshot(args)
+        if args.web:
+            from tui.web import serve
+
+            return serve(list(sys.argv[1:] if argv is None else argv), args.web)
         return run(args.file, live=args.live, step=args.step, request=args.request, tokenizer=args.tokenizer,
                    api_key=args.api_key, show_times=not args.no_times)
     except ValueError as exc:  # TraceError is a ValueError
@@ -82,7 +88,10 @@ def _screenshot(args: argparse.Namespace) -> int:
     if args.file is None:
         raise ValueError("--screenshot needs a trace FILE")
     with open_trace(args.file) as source:
+        cols, _, rows = args.size.partition("x")
+        if not (cols.isdigit() and rows.isdigit()):
+            raise ValueError(f"--size must be COLSxROWS, e.g. 80x24, got {args.size!r}")
         out = screenshot(source, args.screenshot, step=args.step, request=args.request, tokenizer=args.tokenizer,
-                         show_times=not args.no_times)
+                         show_times=not args.no_times, size=(int(cols), int(rows)))
     print(out)
     return 0

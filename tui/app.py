@@ -11,6 +11,7 @@ from pathlib import Path
 from textual.app import App
 from textual.screen import Screen
 
+from tui.commands import WorkbenchCommands
 from tui.screens.main import MainScreen
 from tui.screens.workers import Options
 from workbench.trace.live import TraceView
@@ -21,7 +22,7 @@ class WorkbenchApp(App[None]):
 
     CSS_PATH = Path(__file__).with_name("tui.tcss")  # absolute: subclasses elsewhere find it too
     TITLE = "workbench"
-    ENABLE_COMMAND_PALETTE = False
+    COMMANDS = App.COMMANDS | {WorkbenchCommands}  # ctrl+p: jump to a step, select a request, search, filter
 
     def __init__(self, path: str | None = None, *, source: TraceView | None = None, live_url: str | None = None,
                  tokenizer: str | None = None, api_key: str | None = None, show_times: bool = True,

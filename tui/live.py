@@ -10,7 +10,6 @@ messages. Does not own the server side (workbench/server) or drawing.
 from __future__ import annotations
 
 import asyncio
-import json
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
@@ -42,24 +41,10 @@ class LiveTrace(LiveEvents):
 
 
 def parse_sse(lines: Iterable[str]) -> Iterator[dict[str, Any] | None]:
-    """SSE lines -> each event's JSON object; None for `[DONE]`. Comments and other fields are skipped."""
-    data: list[str] = []
-    for line in lines:
-        if line.startswith("data:"):
-            data.append(line[5:].removeprefix(" "))
-            continue
-        if line.strip() or not data:
-            continue  # a comment (": keep-alive"), an `event:`/`id:` field, or a stray blank line
-        text, data = "\n".join(data), []
-        if text.strip() == "[DONE]":
-            yield None
-            continue
-        try:
-            obj = json.loads(text)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            yield obj
+    """SSE lines -> each event's JSON object; None for `[DONE]` (workbench.sse_client, any line ending)."""
+    from workbench.sse_client import parse_sse_lines
+
+    return parse_sse_lines(lines)
 
 
 def describe_server(info: dict[str, Any]) -> str:
@@ -95,7 +80,9 @@ async def follow_sse(url: str, on_events: Callable[[list[Event]], None], on_stat
                         raise ConnectionError(f"HTTP {response.status_code}: {_error_message(response)}")
                     on_status("connected")
                     delay = 0.25
-                    await _pump(response.aiter_lines(), on_events, on_info or (lambda info: None))
+                    from workbench.sse_client import aiter_sse_json
+
+                    await _pump(aiter_sse_json(response), on_events, on_info or (lambda info: None))
             on_status("stream ended")
         except asyncio.CancelledError:
             raise
@@ -114,9 +101,9 @@ def _error_message(response: Any) -> str:
         return str(response.reason_phrase)
 
 
-async def _pump(lines: AsyncIterator[str], on_events: Callable[[list[Event]], None],
+async def _pump(objects: AsyncIterator[dict[str, Any] | None], on_events: Callable[[list[Event]], None],
                 on_info: Callable[[dict[str, Any]], None]) -> None:
-    """Parse the stream; a flusher hands what arrived over every FLUSH_SECONDS (one loop: no races)."""
+    """Take the stream's objects; a flusher hands what arrived over every FLUSH_SECONDS (one loop: no races)."""
     batch: list[Event] = []
 
     def flush() -> None:
@@ -132,22 +119,16 @@ async def _pump(lines: AsyncIterator[str], on_events: Callable[[list[Event]], No
 
     task = asyncio.create_task(flusher())
     try:
-        block: list[str] = []
-        async for line in lines:
-            block.append(line)
-            if line.strip():
+        async for obj in objects:
+            if obj is None:
+                return  # [DONE]
+            if str(obj.get("kind", "")).startswith("server."):
+                on_info(obj)
                 continue
-            for obj in parse_sse(block):
-                if obj is None:
-                    return  # [DONE]
-                if str(obj.get("kind", "")).startswith("server."):
-                    on_info(obj)
-                    continue
-                try:
-                    batch.append(event_from_json(obj))
-                except (TypeError, ValueError, KeyError):
-                    continue  # an event this viewer does not know: skip it, keep following
-            block = []
+            try:
+                batch.append(event_from_json(obj))
+            except (TypeError, ValueError, KeyError):
+                continue  # an event this viewer does not know: skip it, keep following
             if len(batch) >= 1024:
                 flush()
     finally:

@@ -9,8 +9,9 @@ User errors (bad values, unreadable traces) print one line and exit 2; no traceb
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 DEMO_CHATS = [
@@ -31,11 +32,35 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-level", default="summary", choices=["off", "summary", "full"])
 
 
+@contextlib.contextmanager
+def loading(what: str) -> Iterator[None]:
+    """A status line on stderr while something loads: `loading smollm2 … 12 s`, ticking on a terminal."""
+    import threading
+    import time
+
+    start, done = time.monotonic(), threading.Event()
+    tty = sys.stderr.isatty()
+    print(f"loading {what} …", end="" if tty else "\n", file=sys.stderr, flush=True)
+
+    def tick() -> None:
+        while not done.wait(1.0):
+            print(f"\rloading {what} … {time.monotonic() - start:.0f} s", end="", file=sys.stderr, flush=True)
+
+    ticker = threading.Thread(target=tick, daemon=True) if tty else None
+    if ticker is not None:
+        ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        print(f"{chr(13) if tty else ''}loaded {what} in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+
+
 def _make_engine(args: argparse.Namespace, trace: str | None = None):
     from workbench.engine.engine import Engine
 
-    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    return Engine(args.model, device=args.device, spec=args.spec, chunk_size=args.chunk_size,
+    with loading(args.model):
+        return Engine(args.model, device=args.device, spec=args.spec, chunk_size=args.chunk_size,
                   max_batch_tokens=args.max_batch_tokens, trace=trace if trace is not None else args.trace,
                   trace_level=args.trace_level if (trace or args.trace) else "off")
 
@@ -43,7 +68,8 @@ def _make_engine(args: argparse.Namespace, trace: str | None = None):
 def cmd_generate(args: argparse.Namespace) -> int:
     from workbench.engine.sample.sampling_params import params_from_args
 
-    params = params_from_args(args)
+    params = params_from_args(args)  # a bad flag fails here, before the model loads
+    params._validate_grammar()
     engine = _make_engine(args)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     final = None
@@ -63,7 +89,9 @@ def record_demo(path: str, model: str = "smollm2", spec: str | None = "ngram:k=4
     from workbench.engine.sample.sampling_params import SamplingParams
 
     Path(path).unlink(missing_ok=True)
-    with Engine(model, trace=path, trace_level="summary", spec=spec) as engine:
+    with loading(f"{model} (the first run converts its GGUF file once)"):
+        engine = Engine(model, trace=path, trace_level="summary", spec=spec)
+    with engine:
         params = [SamplingParams(temperature=0, max_new_tokens=48),
                   SamplingParams(temperature=0, max_new_tokens=48, stop=["\n3"]),
                   SamplingParams(temperature=0.8, seed=7, max_new_tokens=40),
@@ -124,7 +152,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _add_diff_parser(sub) -> None:
-    p = sub.add_parser("diff", help="line two traces up and report the first divergence, with a near-tie verdict")
+    p = _add(sub, "diff", "line two traces up and report the first divergence, with a near-tie verdict")
     p.add_argument("a")
     p.add_argument("b", nargs="?", default=None)
     p.add_argument("--against", default=None, metavar="PEER",
@@ -143,7 +171,7 @@ def cmd_fork(args: argparse.Namespace) -> int:
 def _add_fork_parser(sub) -> None:
     from workbench.branch import add_fork_args
 
-    p = sub.add_parser("fork", help="re-run a trace up to REQ:POSITION, force a token or change parameters there")
+    p = _add(sub, "fork", "re-run a trace up to REQ:POSITION, force a token or change parameters there")
     add_fork_args(p)
     p.set_defaults(func=cmd_fork)
 
@@ -157,7 +185,7 @@ def cmd_invariance(args: argparse.Namespace) -> int:
 def _add_invariance_parser(sub) -> None:
     from workbench.invariance import add_invariance_args
 
-    p = sub.add_parser("invariance", help="re-run each recorded request alone and in its batch: logprob drift, "
+    p = _add(sub, "invariance", "re-run each recorded request alone and in its batch: logprob drift, "
                        "first differing token, near tie or not")
     add_invariance_args(p)
     p.set_defaults(func=cmd_invariance)
@@ -166,7 +194,7 @@ def _add_invariance_parser(sub) -> None:
 def _add_replay_parser(sub) -> None:
     from workbench.replay import add_replay_args
 
-    p = sub.add_parser("replay", help="re-execute a trace and report the first divergence (--out saves the run)")
+    p = _add(sub, "replay", "re-execute a trace and report the first divergence (--out saves the run)")
     add_replay_args(p)
     p.set_defaults(func=cmd_replay)
 
@@ -218,58 +246,110 @@ def cmd_make_traces(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _bench_names() -> list[str]:
+    """The benchmarks in benchmarks/ (a source checkout); empty when the folder is not there."""
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    return sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
+
+
+# One function per subcommand's parser: adding a subcommand is adding a function to SUBCOMMANDS.
+
+
+def _p_generate(sub) -> None:
     from workbench.engine.sample.sampling_params import add_sampling_args
 
-    parser = argparse.ArgumentParser(prog="workbench", description="See inside an LLM inference engine.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("generate", help="stream a completion to the terminal")
+    p = _add(sub, "generate", "stream a completion to the terminal")
     p.add_argument("prompt")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
     _engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("demo", help="record a demo trace on the default model, then open the TUI")
+
+
+def _p_demo(sub) -> None:
+    p = _add(sub, "demo", "record a demo trace on the default model, then open the TUI")
     p.add_argument("--out", default="demo.wbtrace")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--spec", default="ngram:k=4")
     p.add_argument("--no-tui", action="store_true")
     p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("tui", help="step through a trace, or follow a live server (FILE | --live URL; "
-                       "--step N --request ID --screenshot OUT.svg ...)", add_help=False)
+
+
+def _p_tui(sub) -> None:
+    p = _add(sub, "tui", "step through a trace, or follow a live server (FILE | --live URL; "
+             "--step N --request ID --screenshot OUT.svg ...)", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_tui)
-    p = sub.add_parser("serve", help="OpenAI-compatible server with a live trace stream")
-    try:
-        from workbench.server.cli_args import add_serve_args
-    except ImportError:  # the server package is optional at parse time
-        add_serve_args = None
-    if add_serve_args is not None:
-        add_serve_args(p)
+
+
+def _p_serve(sub) -> None:
+    from workbench.server.cli_args import add_serve_args
+
+    p = _add(sub, "serve", "OpenAI-compatible server with a live trace stream")
+    add_serve_args(p)
     p.set_defaults(func=cmd_serve)
-    p = sub.add_parser("client", help="concurrent streaming requests: client vs server TTFT and inter-token latency")
+
+
+def _p_client(sub) -> None:
     from workbench.client import add_client_args
 
+    p = _add(sub, "client", "concurrent streaming requests: client vs server TTFT and inter-token latency")
     add_client_args(p)
     p.set_defaults(func=cmd_client)
-    _add_replay_parser(sub)
-    _add_diff_parser(sub)
-    _add_fork_parser(sub)
-    _add_invariance_parser(sub)
-    p = sub.add_parser("export", help="export a trace to Perfetto JSON or a per-token table")
+
+
+def _p_export(sub) -> None:
+    p = _add(sub, "export", "export a trace to Perfetto JSON or a per-token table")
     p.add_argument("trace")
     p.add_argument("--perfetto", metavar="OUT.json")
     p.add_argument("--tokens", metavar="OUT.parquet|csv")
     p.set_defaults(func=cmd_export)
-    p = sub.add_parser("bench", help="run a benchmark from benchmarks/ (throughput, spec_decode, ...)")
-    p.add_argument("name")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+
+
+def _p_bench(sub) -> None:
+    names = _bench_names()
+    p = _add(sub, "bench", "run a benchmark from benchmarks/ (" + (", ".join(names) or "none found") + ")")
+    p.add_argument("name", choices=names or None, metavar="NAME",
+                   help="one of: " + (", ".join(names) or "(no benchmarks/ folder)"))
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (NAME --help)")
     p.set_defaults(func=cmd_bench)
-    p = sub.add_parser("make-traces", help="regenerate the example traces in traces/")
+
+
+def _p_make_traces(sub) -> None:
+    p = _add(sub, "make-traces", "regenerate the example traces in traces/")
     p.add_argument("folder", nargs="?", default="traces")
     p.add_argument("--model", default="smollm2")
     p.set_defaults(func=cmd_make_traces)
+
+
+SUBCOMMANDS = [_p_generate, _p_demo, _p_tui, _p_serve, _p_client, _add_replay_parser, _add_diff_parser,
+               _add_fork_parser, _add_invariance_parser, _p_export, _p_bench, _p_make_traces]
+
+
+def _add(sub, name: str, help: str, **kw) -> argparse.ArgumentParser:
+    """A subcommand parser: no prefix matching (`--max-new-token` is an error, not a guess)."""
+    return sub.add_parser(name, help=help, description=help, allow_abbrev=False, **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from workbench import __version__
+
+    parser = argparse.ArgumentParser(prog="workbench", description="See inside an LLM inference engine.",
+                                     allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"workbench {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
     return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse; an unknown flag after a subcommand is reported with that subcommand's usage."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -279,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(tui.main(argv[1:]) or 0)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:

@@ -207,9 +207,11 @@ class ServerView:
                 if resp.status_code != 200:
                     self.error = f"/debug/events answered {resp.status_code}"
                     return
-                async for line in resp.aiter_lines():
-                    if line.startswith("data: "):
-                        self._take(json.loads(line[6:]))
+                from workbench.sse_client import aiter_sse_json
+
+                async for obj in aiter_sse_json(resp):
+                    if obj is not None:
+                        self._take(obj)
         except (httpx.HTTPError, ValueError) as exc:
             self.error = f"/debug/events: {type(exc).__name__}"
         finally:

@@ -17,6 +17,7 @@ from textual.widgets import Footer, Static
 from tui import messages as msg
 from tui.model import TraceModel
 from tui.nav import Navigator, Selection, pick_request
+from tui.screens.compact import COMPACT_BINDINGS, CompactPanes, PaneBar
 from tui.screens.help import HelpScreen
 from tui.screens.workers import Options, ScreenWorkers
 from tui.search import Query, SearchHit
@@ -36,10 +37,10 @@ PAGE = 10
 PROMPT_KEYS = {"slash": "search", "f": "filter", "colon": "jump"}
 
 
-class MainScreen(ScreenWorkers):
+class MainScreen(CompactPanes, ScreenWorkers):
     # Screen classes for tui.tcss: a narrow or short terminal gives the panes more of its room.
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (140, "-wide")]
-    VERTICAL_BREAKPOINTS = [(0, "-short"), (40, "-tall")]
+    VERTICAL_BREAKPOINTS = [(0, "-compact"), (30, "-short"), (40, "-tall")]  # -compact: panes as tabs
     BINDINGS = [
         Binding("n,j,down", "next_step", "Next step"),
         Binding("p,k,up", "prev_step", "Prev step"),
@@ -62,7 +63,7 @@ class MainScreen(ScreenWorkers):
         Binding("escape", "clear", "Clear the search mark (also closes help and the command line)", show=False),
         Binding("question_mark", "help", "Help"),
         Binding("q", "quit", "Quit"),
-    ]
+    ] + COMPACT_BINDINGS
 
     def __init__(self, options: Options) -> None:
         super().__init__()
@@ -86,13 +87,14 @@ class MainScreen(ScreenWorkers):
         with Horizontal(id="body"):
             yield StepTimeline(id="timeline")
             with Vertical(id="right"):
+                yield PaneBar(id="panebar")
                 yield BatchPane(id="batch")
                 yield SamplingPane(id="sampling")
                 with Horizontal(id="lower"):
-                    with Vertical(classes="pane-column"):
+                    with Vertical(classes="pane-column", id="col-left"):
                         yield TokensPane(id="tokens")
                         yield DetokPane(id="detok")
-                    with Vertical(classes="pane-column"):
+                    with Vertical(classes="pane-column", id="col-right"):
                         yield SpecPane(id="spec")
                         yield FinishPane(id="finish")
                 yield LatencyPane(id="latency")  # shows itself for requests served over HTTP
@@ -101,6 +103,7 @@ class MainScreen(ScreenWorkers):
 
     def on_mount(self) -> None:
         self.query_one(StepTimeline).focus()
+        self.show_pane(self.shown_pane)
         self.refresh_status()
         self.open_trace()
 
@@ -226,7 +229,7 @@ class MainScreen(ScreenWorkers):
             self.note = f"no request matches {message.query!r}"
             self.refresh_status()
             return
-        n = len(message.req_ids)
+        n, self.note = len(message.req_ids), ""  # a success replaces an earlier "no request matches"
         self.apply_filter(message.req_ids, f"filter {message.query!r}: {n} request{'s' * (n != 1)}")
 
     def apply_filter(self, req_ids: frozenset[str] | None, label: str | None) -> None:

@@ -50,10 +50,19 @@ def _forward_of(fb: ForwardBatchBuilt, forwards: list[ForwardDone]) -> ForwardDo
     return next((f for f in forwards if f.forward_mode == fb.forward_mode and f.model == model), None)
 
 
+def _requests(fb: ForwardBatchBuilt) -> int:
+    """Requests in the batch, as the Steps table counts them (a verify packs k+1 rows per request)."""
+    return len(set(fb.req_ids)) if fb.req_ids else fb.batch_size
+
+
+def _rows(fb: ForwardBatchBuilt) -> str:
+    return f" ({fb.batch_size} rows)" if fb.batch_size != _requests(fb) else ""
+
+
 def batch_header(fb: ForwardBatchBuilt, done: ForwardDone | None, show_times: bool) -> Text:
     model = getattr(fb, "model", "target")
     out = Text.assemble(("forward  ", "bold"), (fb.forward_mode, "bold magenta"), f" ({model})" if model != "target" else "",
-                        f"  batch_size {fb.batch_size}  tokens {len(fb.input_ids)}"
+                        f"  batch_size {_requests(fb)}{_rows(fb)}  tokens {len(fb.input_ids)}"
                         f"  return_logprob {str(fb.return_logprob).lower()}  top_logprobs_nums {ids_list(fb.top_logprobs_nums, 4)}")
     if done is not None:
         out.append(f"  {ms(done.forward_ms, show_times)} ms + sample {ms(done.sample_ms, show_times)} ms")

@@ -63,7 +63,8 @@ class Engine:
                  max_batch_tokens: int = 2048, chunk_size: int = 512, kv_tokens: int | None = None,
                  max_running: int = 64, enable_mixed: bool = True, trace: str | None = None,
                  trace_level: str = "summary", trace_topk: int = 10, trace_sinks: list[Sink] | None = None,
-                 spec: Any = None, seed: int = 0, prefix_sharing: bool = True, prefix_cache: bool = False) -> None:
+                 spec: Any = None, seed: int = 0, prefix_sharing: bool = True, prefix_cache: bool = False,
+                 max_model_len: int | None = None) -> None:
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded)
@@ -71,6 +72,11 @@ class Engine:
         self.vocab_size = self.runner.vocab_size
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
+        if max_model_len is not None:  # a shorter context than the model's (vLLM's --max-model-len)
+            if isinstance(max_model_len, bool) or not 1 <= max_model_len <= self.runner.max_context_len:
+                raise ValueError(f"max_model_len must be in [1, {self.runner.max_context_len}] (the model's "
+                                 f"context), got {max_model_len!r}")
+            self.runner.max_context_len = max_model_len
         max_ctx = self.runner.max_context_len
         if kv_tokens is None:
             per_token = 2 * self.runner.num_layers * self.runner.kv_heads * self.runner.head_dim * 4

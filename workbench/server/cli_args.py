@@ -34,13 +34,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="require this key on every route but /health (default: $WORKBENCH_API_KEY)")
     parser.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--max-running", type=int, default=64, help="requests decoding at once")
-    parser.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens")
     parser.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
                         help="a request whose prompt starts like one still prefilling copies that KV (default: on)")
-    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=False,
-                        help="keep finished requests' KV; a later prompt starting the same way (a chat's next turn) "
-                             "copies it instead of recomputing; evicted when memory is needed (default: off)")
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20)
     parser.add_argument("--default-max-tokens", type=int, default=1024, help="chat max_tokens when not given")
     parser.add_argument("--graceful-timeout", type=float, default=10.0,
@@ -51,6 +46,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds one blocked write may take before the request is aborted (0: no limit)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     add_hardening_args(parser)
+    add_engine_flags(parser)
 
 
 def add_hardening_args(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +65,98 @@ def add_hardening_args(parser: argparse.ArgumentParser) -> None:
                         help="/debug/events streams at once (each costs the server its sends; 503 past it)")
     parser.add_argument("--max-request-headers", type=int, default=100,
                         help="request headers one request may carry (uvicorn's h11 limit is per line)")
+
+
+# --- engine flags, named as vLLM names them (SGLang's names as aliases where they differ) ------------
+
+DTYPES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+          "float16": "float16", "half": "float16"}
+
+
+def _spec_json(text: str) -> dict[str, Any]:
+    """`--speculative-config` as vLLM takes it: a JSON object (method, num_speculative_tokens, model, ...)."""
+    import json
+
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc.msg} at column {exc.colno}") from None
+    if not isinstance(cfg, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def spec_from_vllm(cfg: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's speculative config dict as this engine's `spec=` dict (`model` without a method: a draft)."""
+    cfg = dict(cfg)
+    if "model" in cfg:
+        cfg["draft_model"] = cfg.pop("model")
+        cfg.setdefault("method", "draft")
+    if cfg.get("method") in ("draft_model", "draft-model"):
+        cfg["method"] = "draft"
+    return cfg
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine (vLLM names; SGLang names as aliases)")
+    g.add_argument("--max-num-seqs", "--max-running-requests", "--max-running", dest="max_running", type=int,
+                   default=64, metavar="N", help="requests decoding at once (default: 64)")
+    g.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=int, default=None,
+                   metavar="TOKENS", help="longest prompt + output a request may have (default: the model's)")
+    g.add_argument("--max-num-batched-tokens", "--max-prefill-tokens", dest="max_batch_tokens", type=int,
+                   default=2048, metavar="TOKENS", help="tokens one step may compute (default: 2048)")
+    g.add_argument("--chunked-prefill-size", dest="chunk_size", type=int, default=512, metavar="TOKENS",
+                   help="a long prompt is prefilled in chunks of this many tokens (default: 512)")
+    g.add_argument("--kv-tokens", "--max-total-tokens", dest="kv_tokens", type=int, default=None,
+                   metavar="TOKENS", help="KV pool size in tokens (default: up to 1 GiB)")
+    g.add_argument("--enable-prefix-caching", "--prefix-cache", dest="prefix_cache",
+                   action=argparse.BooleanOptionalAction, default=False,
+                   help="keep finished requests' KV; a later prompt starting the same way (a chat's next turn) "
+                        "copies it instead of recomputing; evicted when memory is needed (default: off)")
+    g.add_argument("--speculative-config", dest="speculative_config", type=_spec_json, default=None,
+                   metavar="JSON", help='speculative decoding, as vLLM: \'{"method": "ngram", '
+                   '"num_speculative_tokens": 4}\', \'{"model": "tiny-random", "num_speculative_tokens": 3}\' '
+                   "or method early-exit with exit_layer")
+    g.add_argument("--spec", default=None, help="speculative decoding, workbench form: ngram:k=4, draft:MODEL:k=4")
+    g.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
+                   help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own (default: 0)")
+    o = parser.add_argument_group("tool calls (vLLM names)")
+    o.add_argument("--tool-call-parser", default="hermes", choices=("hermes", "llama3_json", "mistral", "pythonic"),
+                   help="the format the model writes tool calls in (default: hermes, SmolLM2's)")
+    o.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM compatibility: tool_choice 'auto' is always on")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The Engine keyword arguments the engine flags ask for; ValueError naming the flag, before any load."""
+    from workbench.engine.spec.config import parse_spec
+
+    def get(name: str, default: Any) -> Any:
+        return getattr(args, name, default)
+
+    for flag, name, lo in (("--max-num-seqs", "max_running", 1), ("--max-model-len", "max_model_len", 1),
+                           ("--max-num-batched-tokens", "max_batch_tokens", 1),
+                           ("--chunked-prefill-size", "chunk_size", 1), ("--kv-tokens", "kv_tokens", 2)):
+        value = get(name, None)
+        if value is not None and value < lo:
+            raise ValueError(f"{flag} must be an integer >= {lo}, got {value}")
+    spec_cfg, spec = get("speculative_config", None), get("spec", None)
+    if spec_cfg is not None and spec is not None:
+        raise ValueError("--speculative-config and --spec are two forms of one setting; give one")
+    spec = spec_from_vllm(spec_cfg) if spec_cfg is not None else spec
+    if spec is not None:
+        try:
+            spec = parse_spec(spec)
+        except ValueError as exc:
+            raise ValueError(f"--speculative-config: {exc}") from None
+    kw = {"max_running": get("max_running", 64), "kv_tokens": get("kv_tokens", None),
+          "max_batch_tokens": get("max_batch_tokens", 2048), "chunk_size": get("chunk_size", 512),
+          "prefix_cache": get("prefix_cache", False), "spec": spec, "dtype": DTYPES[get("dtype", "auto")],
+          "seed": get("seed", 0)}
+    if get("max_model_len", None) is not None:
+        kw["max_model_len"] = args.max_model_len
+    return kw
 
 
 def is_loopback(host: str) -> bool:
@@ -96,6 +184,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
         flag = "--stream-buffer-bytes" if "max_buffer_bytes" in str(exc) else "--send-timeout"
         raise ValueError(f"{flag}: {exc}") from None
     admission = hardening_options(args)
+    engine_kw = engine_kwargs(args)
     subscribers = getattr(args, "max_debug_subscribers", 32)
     if isinstance(subscribers, bool) or not isinstance(subscribers, int) or subscribers < 1:
         raise ValueError(f"--max-debug-subscribers: must be an integer >= 1, got {subscribers!r}")
@@ -111,14 +200,13 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
         writer = TraceWriter(trace_dir / f"serve-{stamp}-{os.getpid()}.wbtrace")
         sinks.append(writer)
     engine = Engine(args.model, device=args.device, trace_level=args.trace_level, trace_sinks=sinks,
-                    max_running=args.max_running, kv_tokens=args.kv_tokens,
-                    prefix_sharing=getattr(args, "prefix_sharing", True),
-                    prefix_cache=getattr(args, "prefix_cache", False))
+                    prefix_sharing=getattr(args, "prefix_sharing", True), **engine_kw)
     app = create_app(engine, model_name=args.served_model_name or args.model, hub=hub, trace_dir=trace_dir,
                      trace_writer=writer, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      default_max_tokens=args.default_max_tokens, close_engine=True, stream_limits=limits,
                      admission=admission.limits, allowed_hosts=admission.hosts,
                      max_headers=admission.max_headers)
+    app.state.workbench.extra["tool_call_parser"] = getattr(args, "tool_call_parser", "hermes")
     return engine, app
 
 

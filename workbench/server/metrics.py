@@ -1,4 +1,4 @@
-"""Prometheus metrics in the text exposition format (no client library needed).
+"""Prometheus metrics, exposed through prometheus_client (text format or OpenMetrics, escaping done there).
 
 Owns: latency histograms (TTFT, TPOT, inter-token latency, queue time, end-to-end), request and
 token counters fed by finished requests (`observe_finished`, called on the engine thread), stream
@@ -6,7 +6,8 @@ metrics fed by each HTTP request's socket summary (`observe_stream`, on the even
 hand-off to socket write per frame, time to the first byte written, aborts by reason, coalesced
 deltas), speculative-decoding
 draft/accept counters fed by trace events (`SpecCounter`, a tracer sink), and rendering everything
-with the engine gauges (running, waiting, KV usage) at scrape time. Does not own: the gauges'
+with the engine gauges (running, waiting, KV usage) at scrape time, under the project's names
+(`workbench_*`) and vLLM's (`vllm:*`, labelled with `model_name`). Does not own: the gauges'
 source (engine_loop.EngineStats) or the HTTP route.
 """
 
@@ -45,17 +46,19 @@ class Histogram:
             self.sum += value
             self.count += 1
 
-    def render(self) -> list[str]:
+    def family(self, name: str, help: str, labels: dict[str, str] | None = None) -> Any:
+        """This histogram as a prometheus_client metric family named `name`."""
+        from prometheus_client.core import HistogramMetricFamily
+
         with self._lock:
-            counts, total, n = list(self.counts), self.sum, self.count
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cum = 0
-        for bound, c in zip(self.buckets, counts):
+            counts, total = list(self.counts), self.sum
+        cum, buckets = 0, []
+        for bound, c in zip([*map(str, self.buckets), "+Inf"], counts):
             cum += c
-            lines.append(f'{self.name}_bucket{{le="{bound}"}} {cum}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {n}')
-        lines += [f"{self.name}_sum {total}", f"{self.name}_count {n}"]
-        return lines
+            buckets.append((bound, cum))
+        fam = HistogramMetricFamily(name, help, labels=list(labels or ()))
+        fam.add_metric(list((labels or {}).values()), buckets, total)
+        return fam
 
 
 class SpecCounter:
@@ -144,42 +147,103 @@ class Metrics:
         with self._lock:
             self.http_errors[status] = self.http_errors.get(status, 0) + 1
 
-    def render(self, stats: Any, dropped_events: int, step_failures: int) -> str:
-        """The whole exposition; `stats` is an `EngineStats` snapshot."""
+    def render(self, stats: Any, dropped_events: int, step_failures: int, *, model_name: str = "workbench",
+               openmetrics: bool = False) -> str:
+        """The whole exposition (`stats` is an `EngineStats` snapshot), through prometheus_client: the
+        Prometheus text format, or OpenMetrics when the scraper asks for it."""
+        from prometheus_client import CollectorRegistry, exposition
+        from prometheus_client.openmetrics import exposition as om
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Snapshot(self, stats, dropped_events, step_failures, model_name))
+        return (om.generate_latest(registry) if openmetrics else exposition.generate_latest(registry)).decode()
+
+    def families(self, stats: Any, dropped_events: int, step_failures: int, model_name: str) -> list[Any]:
+        """Every metric family: the project's own (`workbench_*`) and vLLM's names (`vllm:*`, label model_name)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         kv_ratio = stats.kv_used / stats.kv_total if stats.kv_total else 0.0
         rate = self.spec.accepted / self.spec.proposed if self.spec.proposed else 0.0
-        lines: list[str] = []
-        gauge = lambda name, help, value: lines.extend(  # noqa: E731
-            [f"# HELP {PREFIX}_{name} {help}", f"# TYPE {PREFIX}_{name} gauge", f"{PREFIX}_{name} {value}"])
-        counter = lambda name, help, value: lines.extend(  # noqa: E731
-            [f"# HELP {PREFIX}_{name} {help}", f"# TYPE {PREFIX}_{name} counter", f"{PREFIX}_{name} {value}"])
-        gauge("num_requests_running", "Requests holding KV slots.", stats.running)
-        gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.waiting)
-        gauge("kv_cache_usage_ratio", "Fraction of KV token slots in use.", round(kv_ratio, 6))
-        gauge("kv_cache_used_tokens", "KV token slots in use.", stats.kv_used)
-        gauge("kv_cache_total_tokens", "KV token slots in the pool.", stats.kv_total)
-        gauge("spec_decode_acceptance_rate", "Accepted / proposed draft tokens since start.", round(rate, 6))
-        counter("spec_decode_draft_tokens_total", "Draft tokens proposed.", self.spec.proposed)
-        counter("spec_decode_accepted_tokens_total", "Draft tokens accepted.", self.spec.accepted)
-        counter("engine_steps_total", "Engine steps run.", stats.step)
-        counter("engine_step_failures_total", "Engine steps that raised.", step_failures)
-        counter("live_events_dropped_total", "Live trace events dropped for slow subscribers.", dropped_events)
         with self._lock:
-            counter("prompt_tokens_total", "Prompt tokens of finished requests.", self.prompt_tokens)
-            counter("generation_tokens_total", "Output tokens of finished requests.", self.generation_tokens)
+            prompt, generation = self.prompt_tokens, self.generation_tokens
             finished, errors = dict(self.finished), dict(self.http_errors)
             aborts, coalesced = dict(self.stream_aborts), self.coalesced
-        counter("stream_coalesced_deltas_total", "Deltas merged into an earlier frame because a client read slowly.",
-                coalesced)
-        lines += [f"# HELP {PREFIX}_stream_aborts_total Streams the server aborted, by reason.",
-                  f"# TYPE {PREFIX}_stream_aborts_total counter"]
-        lines += [f'{PREFIX}_stream_aborts_total{{reason="{r}"}} {n}' for r, n in sorted(aborts.items())]
-        lines += [f"# HELP {PREFIX}_requests_finished_total Finished requests by finish reason.",
-                  f"# TYPE {PREFIX}_requests_finished_total counter"]
-        lines += [f'{PREFIX}_requests_finished_total{{finish_reason="{r}"}} {n}' for r, n in sorted(finished.items())]
-        lines += [f"# HELP {PREFIX}_http_errors_total Error responses by status code.",
-                  f"# TYPE {PREFIX}_http_errors_total counter"]
-        lines += [f'{PREFIX}_http_errors_total{{status="{s}"}} {n}' for s, n in sorted(errors.items())]
-        for hist in (self.ttft, self.itl, self.e2e, self.tpot, self.queue, self.ttft_socket, self.to_socket):
-            lines += hist.render()
-        return "\n".join(lines) + "\n"
+        out: list[Any] = []
+
+        def own(kind: type, name: str, help: str, value: float) -> None:
+            out.append(kind(f"{PREFIX}_{name}", help, value=value))
+
+        def labelled(kind: type, name: str, help: str, label: str, values: dict[Any, int]) -> None:
+            fam = kind(name, help, labels=[label])
+            for key, n in sorted(values.items()):
+                fam.add_metric([str(key)], n)
+            out.append(fam)
+
+        own(GaugeMetricFamily, "num_requests_running", "Requests holding KV slots.", stats.running)
+        own(GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.", stats.waiting)
+        own(GaugeMetricFamily, "kv_cache_usage_ratio", "Fraction of KV token slots in use.", round(kv_ratio, 6))
+        own(GaugeMetricFamily, "kv_cache_used_tokens", "KV token slots in use.", stats.kv_used)
+        own(GaugeMetricFamily, "kv_cache_total_tokens", "KV token slots in the pool.", stats.kv_total)
+        own(GaugeMetricFamily, "spec_decode_acceptance_rate", "Accepted / proposed draft tokens since start.",
+            round(rate, 6))
+        own(CounterMetricFamily, "spec_decode_draft_tokens", "Draft tokens proposed.", self.spec.proposed)
+        own(CounterMetricFamily, "spec_decode_accepted_tokens", "Draft tokens accepted.", self.spec.accepted)
+        own(CounterMetricFamily, "engine_steps", "Engine steps run.", stats.step)
+        own(CounterMetricFamily, "engine_step_failures", "Engine steps that raised.", step_failures)
+        own(CounterMetricFamily, "live_events_dropped", "Live trace events dropped for slow subscribers.",
+            dropped_events)
+        own(CounterMetricFamily, "prompt_tokens", "Prompt tokens of finished requests.", prompt)
+        own(CounterMetricFamily, "generation_tokens", "Output tokens of finished requests.", generation)
+        own(CounterMetricFamily, "stream_coalesced_deltas",
+            "Deltas merged into an earlier frame because a client read slowly.", coalesced)
+        labelled(CounterMetricFamily, f"{PREFIX}_stream_aborts", "Streams the server aborted, by reason.", "reason",
+                 aborts)
+        labelled(CounterMetricFamily, f"{PREFIX}_requests_finished", "Finished requests by finish reason.",
+                 "finish_reason", finished)
+        labelled(CounterMetricFamily, f"{PREFIX}_http_errors", "Error responses by status code.", "status", errors)
+        out += [h.family(h.name, h.help) for h in (self.ttft, self.itl, self.e2e, self.tpot, self.queue,
+                                                   self.ttft_socket, self.to_socket)]
+        out += _vllm_families(self, stats, kv_ratio, prompt, generation, finished, model_name)
+        return out
+
+
+def _vllm_families(m: Metrics, stats: Any, kv_ratio: float, prompt: int, generation: int,
+                   finished: dict[str, int], model: str) -> list[Any]:
+    """The same numbers under vLLM's names, so a vLLM Grafana dashboard reads this server unchanged."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    out: list[Any] = []
+
+    def one(kind: type, name: str, help: str, value: float) -> None:
+        fam = kind(f"vllm:{name}", help, labels=["model_name"])
+        fam.add_metric([model], value)
+        out.append(fam)
+
+    one(GaugeMetricFamily, "num_requests_running", "Number of requests in model execution batches.", stats.running)
+    one(GaugeMetricFamily, "num_requests_waiting", "Number of requests waiting to be processed.", stats.waiting)
+    one(GaugeMetricFamily, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", round(kv_ratio, 6))
+    one(CounterMetricFamily, "prompt_tokens", "Number of prefill tokens processed.", prompt)
+    one(CounterMetricFamily, "generation_tokens", "Number of generation tokens processed.", generation)
+    one(CounterMetricFamily, "spec_decode_num_draft_tokens", "Number of draft tokens.", m.spec.proposed)
+    one(CounterMetricFamily, "spec_decode_num_accepted_tokens", "Number of accepted tokens.", m.spec.accepted)
+    success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                  labels=["model_name", "finished_reason"])
+    for reason, n in sorted(finished.items()):
+        success.add_metric([model, reason], n)
+    out.append(success)
+    for hist, name in ((m.ttft, "time_to_first_token_seconds"), (m.itl, "inter_token_latency_seconds"),
+                       (m.tpot, "time_per_output_token_seconds"), (m.e2e, "e2e_request_latency_seconds"),
+                       (m.queue, "request_queue_time_seconds")):
+        out.append(hist.family(f"vllm:{name}", hist.help, {"model_name": model}))
+    return out
+
+
+class _Snapshot:
+    """A prometheus_client collector over one scrape's values."""
+
+    def __init__(self, metrics: Metrics, stats: Any, dropped: int, failures: int, model_name: str) -> None:
+        self.args = (metrics, stats, dropped, failures, model_name)
+
+    def collect(self) -> Any:
+        metrics, *rest = self.args
+        yield from metrics.families(*rest)

@@ -12,6 +12,7 @@ beyond OpenAI's are the engine's own sampling parameters (top_k, min_p, ...), as
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Literal
 
@@ -28,6 +29,7 @@ from pydantic import (
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
 MAX_STOP = 16
+log = logging.getLogger("workbench.server")
 
 
 class _Strict(BaseModel):
@@ -39,6 +41,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted, ignored: no obfuscation padding is sent
 
 
 class JsonSchemaFormat(_Strict):
@@ -142,6 +145,11 @@ class _SamplingFields(_Strict):
     spaces_between_special_tokens: bool = True
     regex: str | None = None
     ebnf: str | None = None
+    store: bool | None = None  # these five: OpenAI fields accepted and ignored, noted in the log (_note_ignored)
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -162,6 +170,17 @@ class _SamplingFields(_Strict):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    @model_validator(mode="after")
+    def _note_ignored(self) -> _SamplingFields:
+        given = sorted(IGNORED_FIELDS & self.model_fields_set) + ["stream_options.include_obfuscation"] * (
+            self.stream_options is not None and self.stream_options.include_obfuscation is not None)
+        if given:
+            log.info("request fields accepted and ignored (no effect on this server): %s", ", ".join(given))
+        return self
+
+
+IGNORED_FIELDS = frozenset("store metadata service_tier prompt_cache_key safety_identifier reasoning_effort user".split())
 
 
 class CompletionRequest(_SamplingFields):
@@ -202,6 +221,22 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # ignored: no reasoning
+
+    @model_validator(mode="before")  # `functions` / `function_call` (OpenAI's older names): `tools` / `tool_choice`
+    @classmethod
+    def _legacy_functions(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or ("functions" not in data and "function_call" not in data):
+            return data
+        if "tools" in data or "tool_choice" in data:
+            raise ValueError("functions/function_call are the legacy form of tools/tool_choice; give one form")
+        data = dict(data)
+        functions, call = data.pop("functions", None), data.pop("function_call", None)
+        if functions is not None:
+            data["tools"] = [{"type": "function", "function": f} for f in functions] if isinstance(
+                functions, list) else functions  # not a list: refused as `tools`
+        named = isinstance(call, dict) and set(call) == {"name"}  # {"name": f} is tool_choice's function form
+        return {**data, "tool_choice": {"type": "function", "function": call} if named else call} if call else data
 
     @field_validator("tool_choice")
     @classmethod
@@ -267,8 +302,24 @@ class ToolCallOut(BaseModel):
     function: FunctionCall
 
 
-class ToolCallDelta(ToolCallOut):
+class _DropNone(BaseModel):
+    """Fields that carry nothing are left out of the JSON, as OpenAI's stream deltas do."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionCallDelta(_DropNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_DropNone):  # the first delta of a call: id, type, name, arguments ""; then arguments
     index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class CompletionChoice(BaseModel):
@@ -311,16 +362,12 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_DropNone):
     """A stream delta: fields that carry nothing are left out, as OpenAI does."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_empty(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

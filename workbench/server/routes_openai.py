@@ -82,5 +82,8 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> PlainTextResponse:
     state = _state(request)
-    text = state.metrics.render(state.loop.stats, state.hub.dropped_total, state.loop.failures)
-    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+    openmetrics = "application/openmetrics-text" in request.headers.get("accept", "")
+    text = state.metrics.render(state.loop.stats, state.hub.dropped_total, state.loop.failures,
+                                model_name=state.model_name, openmetrics=openmetrics)
+    return PlainTextResponse(text, media_type="application/openmetrics-text; version=1.0.0; charset=utf-8"
+                             if openmetrics else "text/plain; version=0.0.4; charset=utf-8")

@@ -20,7 +20,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from workbench.engine.output.output import RequestOutput
-from workbench.engine.output.tool_parser import StreamingToolParser, inject_tools, parse_tool_calls
+from workbench.engine.output.tool_formats import make_stream_parser, parse_tool_text
+from workbench.engine.output.tool_parser import inject_tools
 from workbench.server.engine_loop import RequestHandle, StreamItem
 from workbench.server.errors import APIError, bad_request, error_body
 from workbench.server.logprobs import chat_logprobs
@@ -33,6 +34,7 @@ from workbench.server.protocol import (
     ChatMessageOut,
     DeltaMessage,
     FunctionCall,
+    FunctionCallDelta,
     ToolCallDelta,
     ToolCallOut,
 )
@@ -52,7 +54,12 @@ from workbench.server.sse import DONE, EventStreamResponse, sse_frame, until_dis
 from workbench.server.tool_grammar import tool_call_grammar
 
 
-def forced_tool_grammar(req: ChatCompletionRequest) -> dict[str, Any] | None:
+def tool_format(state: ServerState) -> str:
+    """The server's --tool-call-parser (hermes by default)."""
+    return state.extra.get("tool_call_parser", "hermes")
+
+
+def forced_tool_grammar(req: ChatCompletionRequest, fmt: str = "hermes") -> dict[str, Any] | None:
     """An `ebnf` constraint making the answer one tool call, for tool_choice "required" or a named one."""
     choice = req.tool_choice
     if choice in (None, "auto", "none"):
@@ -60,7 +67,7 @@ def forced_tool_grammar(req: ChatCompletionRequest) -> dict[str, Any] | None:
     name = choice["function"]["name"] if isinstance(choice, dict) else None
     tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
     try:
-        return {"ebnf": tool_call_grammar(tools, name)}
+        return {"ebnf": tool_call_grammar(tools, name, fmt)}
     except ValueError as exc:
         raise bad_request(str(exc), "tool_choice" if "tool_choice" in str(exc) else "tools") from None
 
@@ -82,7 +89,7 @@ def check_tool_schemas(req: ChatCompletionRequest) -> None:
                               f"{exc.message[:200]}", "tools") from None
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def chat_messages(req: ChatCompletionRequest, fmt: str = "hermes") -> list[dict[str, Any]]:
     """The engine's chat: roles and text, with tool definitions, calls and results written in."""
     if req.tool_choice not in (None, "none") and not req.tools:
         raise bad_request("tool_choice needs tools", "tool_choice")
@@ -94,7 +101,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         messages.append(msg)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
     try:
-        return inject_tools(messages, tools)
+        return inject_tools(messages, tools, fmt)
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
 
@@ -102,7 +109,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 async def create_chat_completion(state: ServerState, request: Request) -> Response:
     req = await read_request(request, ChatCompletionRequest, state.max_body_bytes)
     check_model(state, req.model)
-    messages = chat_messages(req)
+    messages = chat_messages(req, tool_format(state))
     max_tokens = req.max_completion_tokens or req.max_tokens or state.default_max_tokens
     if req.max_completion_tokens or req.max_tokens:  # the server's own default is clamped by the engine
         check_max_tokens(state, max_tokens)
@@ -110,7 +117,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     params = build_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                           top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
                           vocab_size=state.engine.vocab_size, prompt_param="messages",
-                          grammar=forced_tool_grammar(req))
+                          grammar=forced_tool_grammar(req, tool_format(state)))
     req_id = new_id("chatcmpl")
     handle = await submit(state, [messages], params, req_id, "messages", stream=bool(req.stream))
     use_tools = bool(req.tools) and req.tool_choice != "none"
@@ -142,7 +149,7 @@ def _choice(state: ServerState, req: ChatCompletionRequest, index: int, out: Req
     content: str | None = out.text
     calls: list[ToolCallOut] = []
     if use_tools:
-        parsed = parse_tool_calls(out.text, id_prefix=_tool_id_prefix())
+        parsed = parse_tool_text(tool_format(state), out.text, id_prefix=_tool_id_prefix())
         calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments_json))
                  for c in parsed.tool_calls]
         content = parsed.content if (parsed.content.strip() or not calls) else None
@@ -152,35 +159,33 @@ def _choice(state: ServerState, req: ChatCompletionRequest, index: int, out: Req
 
 
 class _ChoiceStream:
-    """Per-choice streaming state: the tool parser and how many calls were sent."""
+    """Per-choice streaming state: the tool parser, whose chunks become OpenAI tool-call deltas."""
 
-    def __init__(self, use_tools: bool) -> None:
-        self.parser = StreamingToolParser(id_prefix=_tool_id_prefix()) if use_tools else None
-        self.calls_sent = 0
+    def __init__(self, use_tools: bool, fmt: str = "hermes") -> None:
+        self.parser = make_stream_parser(fmt, id_prefix=_tool_id_prefix()) if use_tools else None
 
     def delta(self, item: StreamItem) -> tuple[str, list[ToolCallDelta], str | None]:
-        """(content, completed tool calls, finish reason or None) for one step of this choice."""
+        """(content, tool-call deltas, finish reason or None) for one step of this choice."""
         step = item.step
-        text, done = step.delta, []
+        text, chunks = step.delta, []
         if self.parser is not None:
             fed = self.parser.feed(step.delta)
-            text, done = fed.content_delta, list(fed.tool_calls_completed)
+            text, chunks = fed.content_delta, list(fed.chunks)
         reason = None
         if step.finished:
             if self.parser is not None:
-                text += self.parser.finish().content_delta
+                end = self.parser.finish()
+                text, chunks = text + end.content_delta, chunks + end.chunks
             reason = finish_reason(step.output, bool(self.parser and self.parser.tool_calls))
-        calls = [ToolCallDelta(index=self.calls_sent + k, id=c.id,
-                               function=FunctionCall(name=c.name, arguments=c.arguments_json))
-                 for k, c in enumerate(done)]
-        self.calls_sent += len(calls)
+        calls = [ToolCallDelta(index=c.index, id=c.id, type="function" if c.id else None,
+                               function=FunctionCallDelta(name=c.name, arguments=c.arguments)) for c in chunks]
         return text, calls, reason
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, handle: RequestHandle, req_id: str,
                   use_tools: bool) -> AsyncIterator[bytes]:
     created, n = int(time.time()), len(handle.req_ids)
-    choices = [_ChoiceStream(use_tools) for _ in range(n)]
+    choices = [_ChoiceStream(use_tools, tool_format(state)) for _ in range(n)]
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(parts: list[ChatChunkChoice], usage: Any = None) -> bytes:

@@ -15,7 +15,12 @@ from typing import Any
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
 
 
-def call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
+# how each --tool-call-parser format wraps one call object, and its arguments key (tool_formats.py)
+WRAPS = {"hermes": (OPEN, CLOSE, "arguments"), "llama3_json": ("", "", "parameters"),
+         "mistral": ("[TOOL_CALLS][", "]", "arguments")}
+
+
+def call_schema(tools: list[dict[str, Any]], name: str | None, args_key: str = "arguments") -> dict[str, Any]:
     """The JSON schema of one call object: to the named function, or to any of `tools`."""
     options = []
     for tool in tools:
@@ -23,22 +28,26 @@ def call_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]
         if name is not None and fn["name"] != name:
             continue
         params = fn.get("parameters") or {"type": "object"}
-        options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                        "required": ["name", "arguments"], "additionalProperties": False})
+        options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
+                        "required": ["name", args_key], "additionalProperties": False})
     if not options:
         raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def tool_call_grammar(tools: list[dict[str, Any]], name: str | None) -> str:
-    """EBNF for exactly one tool call; ValueError if the schema cannot be compiled."""
+def tool_call_grammar(tools: list[dict[str, Any]], name: str | None, fmt: str = "hermes") -> str:
+    """EBNF for exactly one tool call in format `fmt`; ValueError if the schema cannot be compiled."""
     import xgrammar as xgr
 
-    schema = json.dumps(call_schema(tools, name))
+    if fmt not in WRAPS:
+        raise ValueError(f"tool_choice: forcing a call is not supported with --tool-call-parser {fmt} "
+                         f"(supported: {', '.join(WRAPS)})")
+    head, tail, args_key = WRAPS[fmt]
+    schema = json.dumps(call_schema(tools, name, args_key))
     try:
-        grammar = xgr.Grammar.concat(xgr.Grammar.from_regex(_escape(OPEN)),
-                                     xgr.Grammar.from_json_schema(schema, any_whitespace=False),
-                                     xgr.Grammar.from_regex(_escape(CLOSE)))
+        parts = [xgr.Grammar.from_json_schema(schema, any_whitespace=False)]
+        parts = [xgr.Grammar.from_regex(_escape(head))] * bool(head) + parts + [xgr.Grammar.from_regex(_escape(tail))] * bool(tail)
+        grammar = xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0]
     except Exception as exc:  # xgrammar raises from C++ with its own message
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"tools: a function's parameters are not a usable JSON schema ({first[:200]})") from None

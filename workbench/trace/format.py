@@ -190,7 +190,9 @@ class StepSummary:
                 prefill = [c.get("req_id") for c in p.get("prefill", []) if isinstance(c, dict)]
                 self._merge_ids(prefill + list(p.get("decode", [])))
         elif kind == "forward_batch":
-            self.mode = self.mode or p.get("forward_mode")
+            # a speculative step is scheduled as DECODE but its target forward verifies: that is its mode
+            verify = p.get("forward_mode") == "TARGET_VERIFY" and p.get("model", "target") == "target"
+            self.mode = "TARGET_VERIFY" if verify else (self.mode or p.get("forward_mode"))
             # requests, not rows: a verify forward packs each request's k+1 positions as k+1 rows
             ids = p.get("req_ids")
             rows = len(set(map(str, ids))) if isinstance(ids, list) and ids else int(p.get("batch_size") or 0)

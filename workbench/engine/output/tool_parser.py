@@ -47,9 +47,81 @@ class ToolParseResult:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallChunk:
+    """One piece of a streamed call, as OpenAI streams them: the first names the call (id, name,
+    arguments ""), later ones carry the next characters of its arguments JSON."""
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
 class ToolDelta:
     content_delta: str
     tool_calls_completed: list[ToolCall] = field(default_factory=list)
+    chunks: list[ToolCallChunk] = field(default_factory=list)
+
+
+def partial_json(text: str) -> Any:
+    """What is complete so far of a JSON prefix (strings, numbers and literals only once closed), or None."""
+    from partial_json_parser import Allow, loads
+
+    try:
+        return loads(text, Allow.ALL & ~Allow.STR & ~Allow.NUM & ~Allow.SPECIAL)
+    except Exception:  # not a JSON prefix at all
+        return None
+
+
+def partial_calls(obj: Any) -> list[tuple[str, Any]]:
+    """(name, arguments so far or None) of each call whose name is complete in a partial JSON value."""
+    out = []
+    for item in obj if isinstance(obj, list) else [obj]:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            break
+        args = item.get("arguments", item.get("parameters"))
+        out.append((item["name"], args if isinstance(args, dict) else None))
+    return out
+
+
+class ArgumentStreamer:
+    """Turns growing partial calls into OpenAI-style chunks: each call's arguments are sent as the
+    longest prefix of their final JSON known so far (the partial object's JSON without its closing
+    brackets), so the chunks of a call always join to exactly its `arguments_json`."""
+
+    def __init__(self, id_prefix: str) -> None:
+        self.id_prefix = id_prefix
+        self.sent: list[str] = []
+
+    def _start(self, index: int, name: str, out: list[ToolCallChunk]) -> None:
+        while len(self.sent) <= index:
+            self.sent.append("")
+            out.append(ToolCallChunk(len(self.sent) - 1, f"{self.id_prefix}{len(self.sent) - 1}", name, ""))
+
+    def update(self, first: int, calls: list[tuple[str, Any]]) -> list[ToolCallChunk]:
+        out: list[ToolCallChunk] = []
+        for k, (name, args) in enumerate(calls):
+            self._start(first + k, name, out)
+            if args is None:
+                continue
+            prefix = json.dumps(args, ensure_ascii=False).rstrip("}]")
+            sent = self.sent[first + k]
+            if len(prefix) > len(sent) and prefix.startswith(sent):
+                out.append(ToolCallChunk(first + k, None, None, prefix[len(sent):]))
+                self.sent[first + k] = prefix
+        return out
+
+    def complete(self, first: int, calls: Sequence[ToolCall]) -> list[ToolCallChunk]:
+        out: list[ToolCallChunk] = []
+        for k, call in enumerate(calls):
+            self._start(first + k, call.name, out)
+            sent = self.sent[first + k]
+            rest = call.arguments_json[len(sent):] if call.arguments_json.startswith(sent) else call.arguments_json
+            if rest:
+                out.append(ToolCallChunk(first + k, None, None, rest))
+            self.sent[first + k] = call.arguments_json
+        return out
 
 
 def _parse_block(body: str) -> list[tuple[str, str]] | None:
@@ -107,6 +179,7 @@ class StreamingToolParser:
         self._buf = ""  # held text: a possible opening tag, or an open block (tag included)
         self._in_block = False
         self._finished = False
+        self._args = ArgumentStreamer(id_prefix)
 
     @property
     def has_complete_call(self) -> bool:
@@ -123,6 +196,7 @@ class StreamingToolParser:
         self._buf += delta
         content: list[str] = []
         done: list[ToolCall] = []
+        chunks: list[ToolCallChunk] = []
         while True:
             if not self._in_block:
                 i = self._buf.find(OPEN_TAG)
@@ -134,18 +208,21 @@ class StreamingToolParser:
                 content.append(self._buf[:i])
                 self._buf, self._in_block = self._buf[i:], True
             j = self._buf.find(CLOSE_TAG, len(OPEN_TAG))
-            if j < 0:
+            if j < 0:  # an open block: stream what is known of its calls
+                chunks += self._args.update(len(self.tool_calls), partial_calls(partial_json(self._buf[len(OPEN_TAG):])))
                 break
             block, self._buf = self._buf[:j + len(CLOSE_TAG)], self._buf[j + len(CLOSE_TAG):]
             self._in_block = False
             parsed = _parse_block(block[len(OPEN_TAG):j])
             if parsed is None:
                 content.append(block)
+            first = len(self.tool_calls)
             for name, args in parsed or ():
                 call = ToolCall(f"{self.id_prefix}{len(self.tool_calls)}", name, args)
                 self.tool_calls.append(call)
                 done.append(call)
-        return ToolDelta("".join(content), done)
+            chunks += self._args.complete(first, self.tool_calls[first:])
+        return ToolDelta("".join(content), done, chunks)
 
     def finish(self) -> ToolDelta:
         """End of text: whatever is still held (an unclosed block, a partial tag) is content."""
@@ -167,6 +244,13 @@ TOOLS_SYSTEM_PROMPT = (
     "Use only the functions listed and give every required argument. If no function fits, or an "
     "argument is missing from the question, say so in plain text instead."
 )
+FORMAT_PROMPT = (  # the other formats (tool_formats.py): the same words, that format's example
+    "You can call functions to answer the user. The functions you may call are listed as JSON "
+    "inside <tools></tools>:\n<tools>\n{tools}\n</tools>\n\n"
+    "To call one or more of them, answer with nothing but the calls, written like this:\n{example}\n"
+    "Use only the functions listed and give every required argument. If no function fits, or an "
+    "argument is missing from the question, say so in plain text instead."
+)
 
 
 def _tool_function(tool: dict[str, Any]) -> dict[str, Any]:
@@ -176,12 +260,12 @@ def _tool_function(tool: dict[str, Any]) -> dict[str, Any]:
     return {k: fn[k] for k in ("name", "description", "parameters") if k in fn}
 
 
-def _message_text(msg: dict[str, Any]) -> dict[str, Any]:
+def _message_text(msg: dict[str, Any], fmt: str = "hermes") -> dict[str, Any]:
     """A message the plain chat template can render: tool calls and results written out as text."""
     out = dict(msg)
     calls = msg.get("tool_calls") or []
     if msg.get("role") == "assistant" and calls:
-        blocks = []
+        blocks, pairs = [], []
         for c in calls:
             fn = c.get("function", c)
             args = fn.get("arguments", {})
@@ -191,6 +275,11 @@ def _message_text(msg: dict[str, Any]) -> dict[str, Any]:
                 raise ValueError(f"messages: tool_calls arguments must be a JSON object, got {args!r}") from exc
             blocks.append(OPEN_TAG + "\n" + json.dumps({"name": fn.get("name"), "arguments": args_obj},
                                                        ensure_ascii=False) + "\n" + CLOSE_TAG)
+            pairs.append((fn.get("name"), args_obj))
+        if fmt != "hermes":
+            from workbench.engine.output.tool_formats import render_calls
+
+            blocks = [render_calls(fmt, pairs)]
         out["content"] = (msg.get("content") or "") + "\n".join(blocks)
         out.pop("tool_calls", None)
     elif msg.get("role") == "tool":
@@ -200,19 +289,25 @@ def _message_text(msg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def inject_tools(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
-                 ) -> list[dict[str, Any]]:
+def inject_tools(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+                 fmt: str = "hermes") -> list[dict[str, Any]]:
     """Chat messages with the tools described in the system message (one is added if none exists).
 
     `tools` is OpenAI's list (`{"type": "function", "function": {...}}`; bare functions accepted).
     Assistant `tool_calls` and `tool` results are written into message text the way the parser
     reads them, so a plain chat template (SmolLM2's) renders the whole conversation.
     """
-    msgs = [_message_text(m) for m in messages]
+    msgs = [_message_text(m, fmt) for m in messages]
     if not tools:
         return msgs
     listing = "\n".join(json.dumps(_tool_function(t), ensure_ascii=False) for t in tools)
-    prompt = TOOLS_SYSTEM_PROMPT.format(tools=listing)
+    if fmt == "hermes":
+        prompt = TOOLS_SYSTEM_PROMPT.format(tools=listing)
+    else:
+        from workbench.engine.output.tool_formats import render_calls
+
+        example = render_calls(fmt, [("function_name", {"argument": "value"})])
+        prompt = FORMAT_PROMPT.format(tools=listing, example=example)
     if msgs and msgs[0].get("role") == "system":
         msgs[0] = {**msgs[0], "content": f"{msgs[0]['content']}\n\n{prompt}".lstrip()}
     else:

@@ -26,12 +26,12 @@ _LOG_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: \(.*?\) is fa
 
 
 def grammar_source(kind: str, source: Any) -> str:
-    """The constraint as the string xgrammar parses (a JSON schema dict becomes canonical JSON)."""
+    """The constraint as the string xgrammar parses (a JSON schema dict becomes JSON, its key order kept)."""
     if kind not in KINDS:
         raise ValueError(f"grammar kind must be one of {KINDS}, got {kind!r}")
     if kind == "json_schema":
         if isinstance(source, (dict, bool)):
-            return json.dumps(source, sort_keys=True)
+            return json.dumps(source)  # property order as the schema gives it (xgrammar keeps it)
         if isinstance(source, str):
             try:
                 json.loads(source)

@@ -79,6 +79,7 @@ class SamplingParams:
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", {k: _clamp_bias(v) for k, v in self.logit_bias.items()})
+        self.check_values()  # a bad value fails where it is written, not when the request is submitted
 
     @property
     def greedy(self) -> bool:
@@ -118,6 +119,14 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the parameter, its value and the allowed range."""
+        self.check_values()
+        _check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
+        _check_token_ids("token_ids_logprob", self.token_ids_logprob, vocab_size, cap=MAX_TOKEN_IDS_LOGPROB)
+        self._validate_logit_bias(vocab_size)
+        self._validate_grammar()
+
+    def check_values(self) -> None:
+        """Every check that needs neither the vocabulary nor the grammar compiler (run at construction)."""
         _check_number("temperature", self.temperature, lo=0.0)
         _check_number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         if self.top_k not in (-1, 0):
@@ -143,10 +152,13 @@ class SamplingParams:
         if not isinstance(self.extra, dict):
             raise ValueError(f"extra must be a dict, got {type(self.extra).__name__}")
         self._validate_stop()
-        _check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
-        _check_token_ids("token_ids_logprob", self.token_ids_logprob, vocab_size, cap=MAX_TOKEN_IDS_LOGPROB)
-        self._validate_logit_bias(vocab_size)
-        self._validate_grammar()
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+        for tid, bias in (self.logit_bias or {}).items():
+            _check_number(f"logit_bias[{tid}]", bias, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
+        given = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"json_schema, regex and ebnf are mutually exclusive; got {' and '.join(given)}")
 
     def _validate_stop(self) -> None:
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
