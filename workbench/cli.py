@@ -1,4 +1,4 @@
-"""The `workbench` command: generate, demo, tui, serve, client, replay, diff, export, bench, make-traces.
+"""The `workbench` command: generate, demo, tui, serve, client, probe, check, replay, diff, export, bench, make-traces.
 
 Owns: argument parsing and wiring subcommands to library calls. Heavy imports (torch, the engine,
 textual, fastapi) happen inside each subcommand so `workbench --help` and the viewers start fast.
@@ -88,6 +88,18 @@ def cmd_tui(args: argparse.Namespace) -> int:
     import tui
 
     return tui.main(args.rest) or 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from workbench.external.cli_args import run_probe
+
+    return run_probe(args)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from workbench.external.cli_args import run_check
+
+    return run_check(args)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -187,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_client_args(p)
     p.set_defaults(func=cmd_client)
+    from workbench.external.cli_args import add_check_args, add_probe_args
+
+    p = sub.add_parser("probe", help="record any OpenAI-compatible server (vLLM, llama.cpp, SGLang) into a trace")
+    add_probe_args(p)
+    p.set_defaults(func=cmd_probe)
+    p = sub.add_parser("check", help="score a trace token by token against the reference model (teacher forcing)")
+    add_check_args(p)
+    p.set_defaults(func=cmd_check)
     p = sub.add_parser("replay", help="re-execute a trace and report the first divergence")
     p.add_argument("trace")
     p.add_argument("--tolerance", type=float, default=1e-3)
