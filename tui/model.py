@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from tui.stepview import RequestData, StepView
 from tui.vocab import Vocab, load_tokenizer, tokenizer_folder
+from workbench.trace.checks import read_checks
 from workbench.trace.events import Event
 from workbench.trace.reader import RequestInfo, StepInfo, TraceError, open_trace
 
@@ -54,6 +55,7 @@ class TraceModel:
         self._views: OrderedDict[int, StepView] = OrderedDict()
         self._reqs: OrderedDict[str, RequestData] = OrderedDict()
         self._requests: list[RequestInfo] | None = None
+        self._checks: dict[str, dict[str, Any]] | None = None
 
     @property
     def name(self) -> str:
@@ -64,10 +66,25 @@ class TraceModel:
         return self.source.meta
 
     def title(self) -> str:
-        """`file · model` for the header."""
+        """`file · model` for the header (`· external <url>` for a probe of another engine)."""
         model = self.meta.get("model")
         label = model.get("name") or model.get("spec") if isinstance(model, dict) else None
+        if self.meta.get("source") == "external" and isinstance(model, dict):
+            label = f"{label} · external {model.get('served_by', '')}"
         return f"{self.name} · {label}" if label else self.name
+
+    @property
+    def not_recorded(self) -> frozenset[str]:
+        """Event kinds the trace's source does not report (an external engine's batches, stages, ...)."""
+        value = self.meta.get("not_recorded")
+        return frozenset(str(v) for v in value) if isinstance(value, list) else frozenset()
+
+    def checks(self) -> dict[str, dict[str, Any]]:
+        """The stored reference check, by request (read once; {} when the trace was never checked)."""
+        with self._lock:
+            if self._checks is None:
+                self._checks = read_checks(self.source)
+            return self._checks
 
     def steps(self) -> list[StepInfo]:
         with self._lock:
@@ -96,6 +113,7 @@ class TraceModel:
             events = list(self.source.events(kind=["request.added", "token", "request.finished"], req_id=req_id))
             self.vocab.learn(events)
             data = RequestData.build(req_id, events)
+            data.check = self.checks().get(req_id)
             _remember(self._reqs, req_id, data, _REQ_CACHE)
             return data
 
@@ -117,7 +135,7 @@ class TraceModel:
     def invalidate_tail(self, steps: set[int] | None = None, req_ids: set[str] | None = None) -> None:
         """Forget cached data that new events may have changed (all of it when not told what)."""
         with self._lock:
-            self._requests = None
+            self._requests = self._checks = None
             if steps is None:
                 self._views.clear()
             else:

@@ -125,6 +125,7 @@ def draw_batch(ctx: PaneContext) -> RenderableType:
 
 class BatchPane(Pane):
     TITLE = "ForwardBatch"
+    RECORDS = ("schedule", "forward_batch", "forward", "kv")
     WIDE = True
 
     def draw(self, ctx: PaneContext) -> RenderableType:

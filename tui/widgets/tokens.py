@@ -1,8 +1,9 @@
 """The tokens pane: the selected request's output coloured by logprob, and the selected token's alternatives.
 
 Owns: drawing the prompt line, the output as chips coloured by probability band (tokens produced
-after the selected step dimmed, the selected token reversed, search matches underlined), the
-selected token's id, logprob, rank and source, and its top alternatives with bars. Does not own
+after the selected step dimmed, the selected token reversed, search matches underlined, checked
+divergences marked), the selected token's id, logprob, rank and source, its top alternatives with
+bars, and, when the trace was checked, the reference beside each token (widgets/reference.py). Does not own
 loading the request (the screen's workers do).
 """
 
@@ -16,6 +17,7 @@ from rich.text import Text
 from tui.fmt import bar, legend, num, p_style, quote, visible
 from tui.stepview import RequestData
 from tui.widgets.base import Pane, PaneContext
+from tui.widgets.reference import check_subtitle, chip_style, reference_line, reference_table
 from workbench.trace.events import TokenChosen
 
 FUTURE_STYLE = "grey50"
@@ -44,6 +46,9 @@ def chips(data: RequestData, step: int | None, selected: int | None, hit_positio
             style += " reverse bold underline"
         if tok.position in hit_positions:
             style += " underline"
+        marked = chip_style(data, tok.position) if not future else None
+        if marked:
+            style += " " + marked
         out.append(visible(tok.text) or "∅", style)
         if "\n" in tok.text:
             out.append("\n")
@@ -86,8 +91,14 @@ def draw_tokens(ctx: PaneContext) -> RenderableType:
         parts.append(Text("no token of this request in this step; h/l selects one", style="dim"))
     else:
         parts.append(token_detail(data.tokens[i]))
+        ref = reference_line(data, data.tokens[i].position)
+        if ref is not None:
+            parts.append(ref)
         if data.tokens[i].top_logprobs:
             parts.append(alternatives(data.tokens[i]))
+    table = reference_table(data, ctx.selection.position)
+    if table is not None:
+        parts.append(table)
     return Group(*parts)
 
 
@@ -103,7 +114,7 @@ class TokensPane(Pane):
             return ""
         done = sum(1 for t in data.tokens if ctx.selection.step is None or t.step <= ctx.selection.step)
         state = f" · {data.finished.finish_reason}" if data.finished and data.finished.finish_reason else ""
-        return f"{data.req_id} · {done}/{len(data.tokens)} tokens{state}"
+        return f"{data.req_id} · {done}/{len(data.tokens)} tokens{state}{check_subtitle(data)}"
 
     def show(self, ctx: PaneContext) -> None:
         super().show(ctx)
