@@ -109,3 +109,46 @@ def test_ids_are_matched_whole_not_by_prefix():
         assert otlp.spans_for("a-12", timeout=1)["queue_s"] == 3.0  # a chat id keeps its digits
         assert otlp.spans_for("r", timeout=0.1) is None
         assert len(otlp.all_spans()) == 3
+
+
+def test_a_stopped_receiver_restarts_on_the_same_port_and_keeps_its_spans():
+    otlp = OtlpReceiver().start()
+    port = otlp.port
+    httpx.post(otlp.endpoint, content=_export(_vllm_span("cmpl-k-0", 1.0, 1.0)).SerializeToString())
+    otlp.stop()
+    with pytest.raises(httpx.ConnectError):
+        httpx.post(otlp.endpoint, content=b"x")
+    with otlp:
+        assert otlp.port == port and otlp.spans_for("k", timeout=0.1) is not None
+
+
+@pytest.mark.slow
+def test_probe_with_otlp_port_records_vllms_own_queue_and_prefill_times(vllm_server, otlp_receiver, tmp_path, capsys):
+    """`workbench probe --otlp-port P` against a vLLM exporting to P: vLLM's timings per request."""
+    from workbench.cli import main
+    from workbench.trace.reader import open_trace
+
+    port = otlp_receiver.port  # the session vLLM exports here: hand the port to the probe's receiver
+    path = tmp_path / "otlp.wbtrace"
+    prompts = ["The capital of France is", "def add(a, b):", "Three colours:", "Water is made of"]
+    otlp_receiver.stop()
+    try:
+        code = main(["probe", vllm_server.url, "--out", str(path), "--max-tokens", "8", "-n", "4",
+                     "--otlp-port", str(port), *[a for p in prompts for a in ("--prompt", p)]])
+    finally:
+        otlp_receiver.start()
+    assert code == 0, capsys.readouterr().err
+    with open_trace(path) as trace:
+        finished = {e.req_id: e for e in trace.events(kind="request.finished")}
+        stamps = {e.req_id: e.detail["spans"] for e in trace.events(kind="stamp") if e.stage == "otlp"}
+    assert len(finished) == 4 and set(stamps) == set(finished)
+    for req_id, spans in stamps.items():
+        assert spans is not None, f"no span from vLLM for {req_id}"
+        fin = finished[req_id]
+        # joined to the right request: vLLM's own counts are this request's
+        assert spans["completion_tokens"] == len(fin.output_ids) == 8
+        assert spans["prompt_tokens"] == fin.usage["prompt_tokens"]
+        assert spans["queue_s"] >= 0 and spans["prefill_s"] > 0 and spans["decode_s"] > 0
+        # the server's clock starts when the request reaches it, so it sees the first token sooner
+        assert spans["ttft_s"] <= fin.timings["ttft"] + 0.05
+        assert spans["attributes"]["gen_ai.request.max_tokens"] == 8

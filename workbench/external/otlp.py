@@ -179,6 +179,7 @@ class OtlpReceiver:
     def start(self) -> OtlpReceiver:
         self._server = ThreadingHTTPServer((self.host, self._port), _handler(self))
         self._server.daemon_threads = True
+        self._port = self._server.server_address[1]  # a restart binds the same port again
         self._thread = threading.Thread(target=self._server.serve_forever, name="workbench-otlp", daemon=True)
         self._thread.start()
         return self
