@@ -54,7 +54,8 @@ def probe(url: str, requests: list[ProbeRequest], out: str | Path, *, model: str
     """Send every request to the server at `url`, streaming, and write the trace `out` as it goes.
 
     `tokenizer`: the reference tokenizer (an object, or a model spec; default `smollm2`).
-    `defaults`: sampling fields for every request (a request's own `params` win). `api_key`
+    `defaults`: sampling fields for every request (a request's own `params` win); temperature is 0
+    (greedy) unless set, so that a server's own default never decides what is compared. `api_key`
     (default `$WORKBENCH_API_KEY`) is sent as a bearer token and never recorded. `otlp`: an object
     with `spans_for(request_id)` (workbench.external.otlp), asked after each request. Returns the
     result even when requests failed (`result.errors`); raises ValueError for bad arguments.
@@ -70,7 +71,7 @@ def probe(url: str, requests: list[ProbeRequest], out: str | Path, *, model: str
     tok = load_reference_tokenizer(tokenizer or "smollm2") if tokenizer is None or isinstance(tokenizer, str) else tokenizer
     run = _ProbeRun(url, requests, Path(out), model=model, concurrency=concurrency, top_logprobs=top_logprobs,
                     max_tokens=max_tokens, api_key=api_key or os.environ.get(API_KEY_ENV), otlp=otlp, tokenizer=tok,
-                    progress=progress, defaults=dict(defaults or {}), timeout=timeout)
+                    progress=progress, defaults={"temperature": 0.0, **(defaults or {})}, timeout=timeout)
     return _run_sync(run.run)
 
 

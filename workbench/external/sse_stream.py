@@ -12,6 +12,7 @@ own the run (probe.py) or the trace (probe.py writes it).
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,7 +102,8 @@ def parse_chunk(obj: Any, chat: bool) -> ChunkTokens:
             tops = lp.get("top_logprobs") or []
             for i, (text, logprob) in enumerate(zip(lp.get("tokens") or [], lp.get("token_logprobs") or [])):
                 alts = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
-                top = sorted(((t, None, _num(v)) for t, v in alts.items()), key=lambda x: -(x[2] or -1e30))
+                top = sorted(((t, None, _num(v)) for t, v in alts.items()),
+                             key=lambda x: -x[2] if x[2] is not None else math.inf)
                 out.tokens.append(ReportedToken(text, None, _num(logprob), top))
     ids = choice.get("token_ids")
     if isinstance(ids, list) and len(ids) == len(out.tokens):
@@ -136,7 +138,8 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, An
     """
     from httpx_sse import SSEError, aconnect_sse
 
-    finished = False
+    finished, chunks = False, 0
+    opened = False
     try:
         async with aconnect_sse(client, "POST", url, json=body, headers=headers) as source:
             response = source.response
@@ -144,6 +147,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, An
                 text = (await response.aread()).decode("utf-8", "replace")
                 raise StreamError(error_message(response, text), response.status_code, text)
             on_open(response)
+            opened = True
             async for sse in source.aiter_sse():
                 now = time.perf_counter()
                 if sse.data.strip() == "[DONE]":
@@ -156,6 +160,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, An
                 except ValueError as exc:
                     raise StreamError(f"unreadable stream chunk: {exc}") from None
                 finished = finished or parsed.finish_reason is not None
+                chunks += 1
                 on_chunk(parsed, now)
     except SSEError as exc:
         raise StreamError(f"not an event stream: {exc}") from None
@@ -164,6 +169,10 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, An
     except httpx.TimeoutException as exc:
         raise StreamError(f"server did not answer in time ({type(exc).__name__})") from None
     except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
-        raise StreamError(f"connection dropped mid-stream ({exc or type(exc).__name__})") from None
+        if not opened:
+            raise StreamError(f"the server closed the connection before answering ({exc or type(exc).__name__})") \
+                from None
+        raise StreamError(f"connection dropped mid-stream after {chunks} chunks ({exc or type(exc).__name__})") \
+            from None
     if not finished:
         raise StreamError("stream ended without a finish reason or [DONE] (server died or cut the connection)")
