@@ -131,8 +131,16 @@ async def test_the_external_trace_opens_in_the_tui_with_not_recorded_panes(probe
         assert "external" in screen.model.title()
         tokens = pane(screen, "tokens")
         assert "List three fruits" in tokens and "external_recovered" in tokens
+        assert "client   TTFT" in tokens and "server timings not recorded" in tokens
         row = screen.timeline.visible_rows()[0].split()
         assert row[1:4] == ["chunk", "—", "—"]  # no batch size or forward tokens: never zeros
+
+
+def test_replay_refuses_an_external_trace_and_points_to_check(probed) -> None:
+    from workbench.replay import replay
+
+    with pytest.raises(ValueError, match="workbench check TRACE --reference MODEL"):
+        replay(str(probed[0]), progress=False)
 
 
 def test_check_on_our_own_server_agrees_and_is_stored(probed) -> None:

@@ -194,6 +194,9 @@ def replay(path: str, *, overrides: list[str] | None = None, tolerance: float = 
 
     t0 = time.perf_counter()
     with open_trace(path) as trace:
+        if trace.meta.get("source") == "external":  # no engine config or steps of ours to re-run
+            raise ValueError(f"trace {path!r} was recorded from an external server by workbench probe; "
+                             "score it with: workbench check TRACE --reference MODEL")
         engine_cfg = dict(trace.meta.get("engine") or {})
         requests = _recorded_requests(trace)
         if not requests:

@@ -83,3 +83,27 @@ def check_subtitle(data: RequestData) -> str:
     real = sum(v in ("real", "logprob") for v in verdicts)
     ties = sum(v == "near_tie" for v in verdicts)
     return f" · check: {real} real, {ties} near ties" if real or ties else " · check: agrees"
+
+
+def client_timing_line(data: RequestData, show_times: bool = True) -> Text | None:
+    """For a probed request: the client's TTFT, median gap and end-to-end, and the server's own
+    timings when OTLP spans were joined (`server queue … prefill … decode …`)."""
+    timings = data.finished.timings if data.finished is not None else None
+    if not isinstance(timings, dict) or timings.get("clock") != "client":
+        return None
+    if not show_times:
+        return Text("client   (times hidden)", style="dim")
+
+    def ms(v: Any) -> str:
+        return f"{1000 * v:.1f} ms" if isinstance(v, (int, float)) else "—"
+
+    gaps = sorted(g for g in timings.get("itl") or [] if isinstance(g, (int, float)))
+    out = Text.assemble(("client   ", "bold"), f"TTFT {ms(timings.get('ttft'))}  inter-token p50 "
+                        f"{ms(gaps[len(gaps) // 2] if gaps else None)}  e2e {ms(timings.get('e2e'))}  "
+                        f"chunks {timings.get('chunks', '—')}")
+    server = timings.get("server")
+    if isinstance(server, dict) and server:
+        out.append("  server " + "  ".join(f"{k[:-2]} {ms(v)}" for k, v in server.items()), "cyan")
+    else:
+        out.append("  server timings not recorded (probe --otlp-port joins a server's spans)", "dim")
+    return out

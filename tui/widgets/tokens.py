@@ -17,7 +17,13 @@ from rich.text import Text
 from tui.fmt import bar, legend, num, p_style, quote, visible
 from tui.stepview import RequestData
 from tui.widgets.base import Pane, PaneContext
-from tui.widgets.reference import check_subtitle, chip_style, reference_line, reference_table
+from tui.widgets.reference import (
+    check_subtitle,
+    chip_style,
+    client_timing_line,
+    reference_line,
+    reference_table,
+)
 from workbench.trace.events import TokenChosen
 
 FUTURE_STYLE = "grey50"
@@ -81,6 +87,9 @@ def draw_tokens(ctx: PaneContext) -> RenderableType:
     if data is None:
         return Text("no request selected" if ctx.selection.req_id is None else "loading…", style="dim")
     parts: list[RenderableType] = [prompt_text(data)]
+    timing = client_timing_line(data, ctx.show_times)
+    if timing is not None:
+        parts.append(timing)
     hit = ctx.hit.positions if ctx.hit is not None and ctx.hit.req_id == data.req_id else ()
     if not data.tokens:
         parts.append(Text("no output tokens yet", style="dim"))

@@ -137,13 +137,17 @@ class RequestRecord:
         return self.tokens[0].received - self.sent if self.tokens else None
 
     def timings(self) -> dict[str, Any]:
-        """Client-side timings: TTFT, inter-token gaps (per token), end-to-end, in seconds."""
+        """Client-side timings: TTFT, inter-token gaps (per token), end-to-end, in seconds; under
+        `server`, the server's own (queue_s, prefill_s, ...) when an OTLP receiver joined its spans."""
         times = [t.received for t in self.tokens]
         gaps = [b - a for a, b in zip(times, times[1:])]
         end = self.done if self.done is not None else (times[-1] if times else self.sent)
-        return {"arrival": self.sent, "ttft": self.ttft, "itl": gaps, "e2e": end - self.sent,
-                "tpot": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
-                "chunks": len(self.chunks), "clock": "client"}
+        out = {"arrival": self.sent, "ttft": self.ttft, "itl": gaps, "e2e": end - self.sent,
+               "tpot": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+               "chunks": len(self.chunks), "clock": "client"}
+        if isinstance(self.spans, dict):  # the server's own timings (OTLP), beside the client's
+            out["server"] = {k: v for k, v in self.spans.items() if k.endswith("_s")}
+        return out
 
 
 @dataclass(slots=True)
