@@ -58,7 +58,7 @@ class Proxy:
             await client.aclose()
             return Response(content, resp.status_code, media_type=resp.headers.get("content-type"))
         self.streams += 1
-        rid = request.headers.get("x-request-id", "")  # the probe's "wb-<run>-<index>"
+        rid = request.headers.get("x-request-id", "")  # the probe's "<run>-0000-4000-8000-<index>"
         index = int(rid.rsplit("-", 1)[1]) if rid.rsplit("-", 1)[-1].isdigit() else -1
         return StreamingResponse(self._relay(resp, client, index), media_type="text/event-stream",
                                  headers={"x-request-id": resp.headers.get("x-request-id", "")})

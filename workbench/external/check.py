@@ -59,7 +59,12 @@ def check_trace(path: str | Path, reference: str = "smollm2", *, tolerance: floa
     path = os.fspath(path)
     with open_trace(path) as trace:
         source = str(trace.meta.get("source") or "engine")
+        probed_with = (trace.meta.get("reference") or {}).get("tokenizer") if source == "external" else None
         todo = _recorded(trace)
+    warnings = []
+    if isinstance(probed_with, str) and probed_with and probed_with != reference:
+        warnings.append(f"the probe read prompts and recovered token ids with the tokenizer of {probed_with!r}, "
+                        f"not {reference!r}: ids may not mean the same tokens")
     if engine is None:
         from workbench.engine.engine import Engine
 
@@ -74,7 +79,7 @@ def check_trace(path: str | Path, reference: str = "smollm2", *, tolerance: floa
     results = _score(engine, todo, float(tolerance))
     name = getattr(getattr(engine, "loaded", None), "name", None) or reference
     report = CheckReport(path=path, reference=f"{reference} ({name})" if name != reference else reference,
-                         tolerance=float(tolerance), requests=results, source=source)
+                         tolerance=float(tolerance), requests=results, source=source, warnings=warnings)
     if store:
         store_checks(path, report.summary(), report.rows())
     return report

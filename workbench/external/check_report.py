@@ -85,6 +85,7 @@ class CheckReport:
     tolerance: float
     requests: list[RequestCheck]
     source: str = "engine"  # the trace's source: external or this engine
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def positions(self) -> int:
@@ -143,8 +144,10 @@ class CheckReport:
         """The summary table, then one line per request."""
         agree = self.argmax_agreement
         greedy = sum(1 for r in self.requests if r.greedy)
+        width = max([len("request"), *(len(r.req_id) for r in self.requests)])
         lines = [
             f"check {self.path} against {self.reference} (tolerance {self.tolerance:g})",
+            *(f"  warning: {w}" for w in self.warnings),
             f"  requests          {len(self.requests)} ({greedy} greedy, {len(self.requests) - greedy} sampled)",
             f"  positions         {self.positions}",
             f"  argmax agreement  {_pct(agree)} ({sum(r.agree for r in self.requests)}/{self.positions})",
@@ -154,11 +157,11 @@ class CheckReport:
             f"  near ties         {self.near_tie_positions} positions in "
             f"{sum(1 for r in self.requests if r.near_ties)} requests",
             "",
-            f"  {'request':<18} {'kind':<7} {'scored':>6} {'argmax':>9} {'max|Δ|':>9}  first divergence",
+            f"  {'request':<{width}} {'kind':<7} {'scored':>6} {'argmax':>9} {'max|Δ|':>9}  first divergence",
         ]
         for r in self.requests:
             deltas = r.deltas
-            lines.append(f"  {r.req_id:<18} {'greedy' if r.greedy else 'sampled':<7} {len(r.positions):>6} "
+            lines.append(f"  {r.req_id:<{width}} {'greedy' if r.greedy else 'sampled':<7} {len(r.positions):>6} "
                          f"{r.agree:>4}/{len(r.positions):<4} {_num(max(deltas) if deltas else None):>9}  "
                          f"{describe(r)}")
         lines.append("")

@@ -156,7 +156,9 @@ class _ProbeRun:
         return ProbeResult(self.out, self.url, self.model, self.records, errors, list(self.fallbacks))
 
     def _record(self, i: int, req: ProbeRequest) -> RequestRecord:
-        req_id = f"wb-{self.run_id}-{i}"
+        # A UUID in form (llama.cpp's server answers 400 to any other X-Request-Id), readable as
+        # <run id>-0000-4000-8000-<request index>.
+        req_id = f"{self.run_id}-0000-4000-8000-{i:012d}"
         _, body = build_body(req, self.model or "", self.defaults, top_logprobs=self.top_logprobs,
                              max_tokens=self.max_tokens, extras={})
         ids = prompt_ids(self.tokenizer, req.prompt, req.messages)
