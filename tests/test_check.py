@@ -64,7 +64,7 @@ def test_this_engines_own_trace_agrees_with_the_reference(own_trace: Path, engin
     report = check_trace(own_trace, "tiny-random", engine=engine, progress=False, store=False)
     assert report.exit_code == 0, report.render()
     assert [r.greedy for r in report.requests] == [True, True, False]
-    assert report.positions == 36 and report.argmax_agreement is not None
+    assert report.positions == 36 and report.argmax_agreement == 1.0
     assert all(r.agree == 12 for r in report.requests if r.greedy)
     assert report.max_abs_delta < 1e-4  # the same runner, the same fp32 weights
     assert all(p.topk_overlap == 1.0 and p.topk_kl < 1e-4 for r in report.requests for p in r.positions)
@@ -74,6 +74,7 @@ def test_this_engines_own_trace_agrees_with_the_reference(own_trace: Path, engin
     assert main(["check", str(own_trace), "--reference", "tiny-random", "--no-store"]) == 0
     out = capsys.readouterr().out
     assert "positions         36" in out and "(2 greedy, 1 sampled)" in out
+    assert "argmax agreement  100.00% (24/24 greedy positions)" in out
     assert "real divergences  0 positions" in out and "result: no real divergence" in out
     assert read_checks(own_trace) == {}  # --no-store leaves the trace as it was
 

@@ -92,9 +92,14 @@ class CheckReport:
         return sum(len(r.positions) for r in self.requests)
 
     @property
+    def greedy_positions(self) -> int:
+        return sum(len(r.positions) for r in self.requests if r.greedy)
+
+    @property
     def argmax_agreement(self) -> float | None:
-        n = self.positions
-        return sum(r.agree for r in self.requests) / n if n else None
+        """Share of greedy positions whose token is the reference's argmax (a sampled token need not be)."""
+        n = self.greedy_positions
+        return sum(r.agree for r in self.requests if r.greedy) / n if n else None
 
     @property
     def max_abs_delta(self) -> float | None:
@@ -150,7 +155,8 @@ class CheckReport:
             *(f"  warning: {w}" for w in self.warnings),
             f"  requests          {len(self.requests)} ({greedy} greedy, {len(self.requests) - greedy} sampled)",
             f"  positions         {self.positions}",
-            f"  argmax agreement  {_pct(agree)} ({sum(r.agree for r in self.requests)}/{self.positions})",
+            f"  argmax agreement  {_pct(agree)} ({sum(r.agree for r in self.requests if r.greedy)}/"
+            f"{self.greedy_positions} greedy positions)",
             f"  max |Δlogprob|    {_num(self.max_abs_delta)}",
             f"  mean |Δlogprob|   {_num(self.mean_abs_delta)}",
             f"  real divergences  {self.real_positions} positions in {len(self.real_divergences)} requests",

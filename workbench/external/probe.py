@@ -303,7 +303,10 @@ class _ProbeRun:
 
     def _show_progress(self, force: bool = False) -> None:
         now = time.perf_counter()
-        if not self.progress or (not force and now - self._last_progress < 0.2):
+        tty = sys.stderr.isatty()  # a log file gets a line every 5 s, a terminal one line redrawn
+        if not self.progress or (not force and now - self._last_progress < (0.2 if tty else 5.0)):
+            return
+        if not tty and force and now - self._last_progress < 5.0:
             return
         self._last_progress = now
         done = sum(1 for r in self.records if r.done is not None)
@@ -311,13 +314,15 @@ class _ProbeRun:
         tokens = sum(len(r.tokens) for r in self.records)
         line = (f"probe {self.url}  {done}/{len(self.records)} requests  {tokens} tokens"
                 f"  {failed} failed  {now - self.t0:.1f} s")
-        sys.stderr.write("\r" + line.ljust(78))
+        sys.stderr.write("\r" + line.ljust(78) if tty else line + "\n")
         sys.stderr.flush()
 
     def _end_progress(self) -> None:
         if self.progress:
+            self._last_progress = 0.0
             self._show_progress(force=True)
-            sys.stderr.write("\n")
+            if sys.stderr.isatty():
+                sys.stderr.write("\n")
             sys.stderr.flush()
 
 
