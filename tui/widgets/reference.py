@@ -22,6 +22,14 @@ VERDICT_TEXT = {"ok": "✓ agrees", "real": "✗ real divergence", "near_tie": "
                 "logprob": "✗ logprob beyond tolerance"}
 
 
+def verdict_text(p: dict[str, Any]) -> str:
+    """What a checked position's verdict means; a sampled token off the argmax can still agree."""
+    verdict = str(p.get("verdict", "ok"))
+    if verdict == "ok" and p.get("token_id") != p.get("ref_argmax"):
+        return "✓ logprob agrees (sampled)"
+    return VERDICT_TEXT.get(verdict, verdict)
+
+
 def chip_style(data: RequestData, position: int) -> str | None:
     """The extra style of a token's chip when the check marked it (None: agrees, or not checked)."""
     p = position_map(data.check).get(position)
@@ -47,7 +55,7 @@ def reference_line(data: RequestData, position: int) -> Text | None:
                         f"  argmax {quote(str(p.get('ref_argmax_text', '')))} #{p.get('ref_argmax')}"
                         f"  margin {num(p.get('ref_margin'))}  rank {p.get('rank')}"
                         f"  top-k KL {num(kl, 4) if isinstance(kl, (int, float)) else '—'}  ")
-    out.append(VERDICT_TEXT.get(verdict, verdict), VERDICT_STYLE.get(verdict, "green"))
+    out.append(verdict_text(p), VERDICT_STYLE.get(verdict, "green"))
     return out
 
 
@@ -71,7 +79,7 @@ def reference_table(data: RequestData, selected: int | None, rows: int = 9) -> T
         out.append(f"\n{mark} {tok.position:>4} {quote(tok.text, 14):<14} {num(tok.logprob):>8} "
                    f"{num(p.get('ref_logprob')):>9} {_signed(p.get('delta')):>9}  "
                    f"{quote(str(p.get('ref_argmax_text', '')), 14):<14} ")
-        out.append(VERDICT_TEXT.get(verdict, verdict), VERDICT_STYLE.get(verdict, "green"))
+        out.append(verdict_text(p), VERDICT_STYLE.get(verdict, "green"))
     return out
 
 
