@@ -11,6 +11,7 @@ and a trace with everything received; the API key never reaches the file.
 
 from __future__ import annotations
 
+import html
 import json
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,9 @@ def test_the_external_trace_shows_unreported_stages_as_not_recorded_in_the_noteb
         assert "not recorded" in notes, name
     tokens = viewer.figures["tokens"].data[0]
     assert len(tokens.x) == MAX_TOKENS and all(y <= 0 for y in tokens.y)
+    timing = viewer.figures["latency"]  # the client's view of the stream: TTFT, then each gap
+    assert timing.layout.title.text.startswith("client timing: TTFT") and len(timing.data[0].y) == MAX_TOKENS
+    assert html.escape(result.records[0].text) in viewer.summary_html()
 
 
 @pytest.mark.anyio

@@ -74,6 +74,27 @@ def reference_figure(check: dict[str, Any] | None, req_id: str | None, meta_chec
     return fig
 
 
+def client_timing_figure(finished: Any) -> go.Figure:
+    """A probed request's chunk timing as its client saw it: the gap before each output token
+    (the first bar is the TTFT), with the server's own timings from OTLP spans when they were joined."""
+    timings = getattr(finished, "timings", None)
+    if not isinstance(timings, dict) or timings.get("clock") != "client":
+        return _note(_figure("client timing", 260), "no client timings for this request")
+    gaps = [timings.get("ttft")] + list(timings.get("itl") or [])
+    ms = [1000 * g if isinstance(g, (int, float)) else math.nan for g in gaps]
+    server = timings.get("server") if isinstance(timings.get("server"), dict) else {}
+    told = "  ".join(f"{k[:-2]} {1000 * v:.1f} ms" for k, v in server.items() if isinstance(v, (int, float)))
+    e2e = timings.get("e2e")
+    title = (f"client timing: TTFT {ms[0]:.1f} ms, e2e {1000 * e2e:.1f} ms" if isinstance(e2e, (int, float))
+             else "client timing") + f"<br><sup>server: {told or 'not recorded (probe --otlp-port joins its spans)'}</sup>"
+    fig = _figure(title, 280)
+    fig.add_trace(go.Bar(name="gap", x=list(range(len(ms))), y=ms, marker_color=["#ff7f0e"] + ["#1f77b4"] * (len(ms) - 1),
+                         hovertemplate="token %{x}: %{y:.1f} ms after the previous one<extra></extra>"))
+    fig.update_xaxes(title_text="output position")
+    fig.update_yaxes(title_text="ms since the previous token (first: since sent)")
+    return fig
+
+
 def _hover(p: dict[str, Any]) -> str:
     def f(v: Any) -> str:
         return f"{v:.4g}" if isinstance(v, (int, float)) else "—"

@@ -19,7 +19,13 @@ import plotly.graph_objects as go
 from workbench.notebook import figures
 from workbench.notebook.data import EventSource, RequestView, Source, TraceSource, as_source
 from workbench.notebook.html import render_page
-from workbench.notebook.reference import not_recorded, not_recorded_figure, reference_figure, source_checks
+from workbench.notebook.reference import (
+    client_timing_figure,
+    not_recorded,
+    not_recorded_figure,
+    reference_figure,
+    source_checks,
+)
 from workbench.trace.events import Event, SamplingStages
 from workbench.trace.latency import RequestLatency
 
@@ -200,6 +206,8 @@ class TraceViewer:
         for name, (kind, title) in unreported.items():
             if kind in self.not_recorded:
                 built[name] = not_recorded_figure(title)
+        if "forward" in self.not_recorded:  # no engine stamps: the client's own view of the stream
+            built["latency"] = client_timing_figure(req.finished if req else None)
         return built
 
     def _vocab(self, req: RequestView | None, stages: SamplingStages | None) -> dict[int, str]:
