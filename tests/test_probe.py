@@ -229,6 +229,15 @@ def test_a_server_that_refuses_logprobs_gets_a_clear_message(server, tok, tmp_pa
         assert len(trace.requests()) == 2
 
 
+def test_a_wrong_api_key_stops_the_run_with_a_hint(server, tok, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"/v1/models answered HTTP 401: check --api-key"):
+        probe(server.url, REQUESTS[:2], tmp_path / "denied.wbtrace", api_key="wrong", tokenizer=tok, progress=False)
+    result = probe(server.url, REQUESTS[:2], tmp_path / "denied.wbtrace", api_key="wrong", tokenizer=tok,
+                   progress=False, max_tokens=2, model="tiny-random")
+    assert "HTTP 401" in result.errors[0] and "check --api-key" in result.errors[0]
+    assert "not sent" in result.errors[1]
+
+
 # --- inputs ----------------------------------------------------------------------------------------
 
 

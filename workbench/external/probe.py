@@ -45,6 +45,8 @@ API_KEY_ENV = "WORKBENCH_API_KEY"
 NOT_RECORDED = ("schedule", "forward_batch", "forward", "logits", "sampling", "kv", "spec.draft", "spec.verify",
                 "detok", "finish")
 SOURCES = {ID_SERVER: "external", ID_RECOVERED: "external_recovered"}
+FATAL_STATUS = {401: "check --api-key or $WORKBENCH_API_KEY", 403: "check --api-key or $WORKBENCH_API_KEY",
+                404: "check the URL and --model"}
 
 
 def probe(url: str, requests: list[ProbeRequest], out: str | Path, *, model: str | None = None,
@@ -125,6 +127,9 @@ class _ProbeRun:
             identity = ident.server_identity(client, self.headers)
             self.model = self.model or ident.first_model(identity)
             if self.model is None:
+                status = (identity.get("models") or {}).get("status")
+                if status in FATAL_STATUS:
+                    raise ValueError(f"probe: {self.url}/v1/models answered HTTP {status}: {FATAL_STATUS[status]}")
                 raise ValueError(f"probe: {self.url}/v1/models lists no model ({identity.get('models')}); "
                                  "is the server up? give --model NAME")
             metrics_before = ident.scrape_metrics(client, self.headers)
@@ -179,7 +184,10 @@ class _ProbeRun:
                 await self._stream_with_fallback(client, rec)
             except StreamError as exc:
                 rec.error = str(exc)
-                if exc.status is not None and exc.status < 500 and await self._refuses_logprobs(client, rec):
+                if exc.status in FATAL_STATUS:  # every later request would fail the same way
+                    self.fatal = f"{exc} ({FATAL_STATUS[exc.status]})"
+                    rec.error = self.fatal
+                elif exc.status is not None and exc.status < 500 and await self._refuses_logprobs(client, rec):
                     self.fatal = f"the server refuses logprobs ({exc}); probe needs them to compare tokens"
                     rec.error = self.fatal
             except Exception as exc:  # a bug in parsing a strange server: keep the run and the trace
