@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,9 @@ def test_every_request_is_recorded_with_the_servers_token_ids_and_logprobs(vllm_
         assert len(rec.tokens) == MAX_TOKENS or rec.finish_reason == "stop"
         assert all(t.id_source == ID_SERVER for t in rec.tokens)  # the server's ids, not recovered
         assert all(math.isfinite(t.logprob) and t.logprob <= 0 for t in rec.tokens)
-        assert all(len(t.top) == TOP for t in rec.tokens)
+        for t in rec.tokens:  # the top 20, and the chosen token beside them when it is not among them
+            ids = [alt[0] for alt in t.top]
+            assert t.token_id in ids and len(ids) == (TOP if t.token_id in ids[:TOP] else TOP + 1)
         # the ids recorded are the ones that make the text the server streamed (a stop token is
         # recorded with its logprob, and is not part of the text)
         assert tok.decode([t.token_id for t in rec.tokens], skip_special_tokens=True) == rec.text
@@ -122,6 +125,23 @@ def test_check_prints_the_table_and_fp32_vllm_agrees_with_the_reference(vllm_run
         else:
             assert row["divergence_class"] is None  # sampled: logprobs agree everywhere
     assert vllm_run.summary  # the run's summary is stored with the trace
+
+
+def test_the_trace_holds_vllms_own_queue_and_prefill_times_per_request(vllm_run: VllmRun) -> None:
+    """vLLM exported its spans to the session's receiver; the probe joined one to every request."""
+    with open_trace(vllm_run.path) as trace:
+        finished = {e.req_id: e for e in trace.events(kind="request.finished")}
+        spans = {e.req_id: e.detail["spans"] for e in trace.events(kind="stamp") if e.stage == "otlp"}
+    assert set(spans) == set(finished) and len(spans) == 24
+    for req_id, span in spans.items():
+        assert span is not None, f"no vLLM span joined to {req_id}"
+        assert span["completion_tokens"] == len(finished[req_id].output_ids)
+        assert span["queue_s"] >= 0 and span["prefill_s"] > 0
+        assert span["ttft_s"] <= finished[req_id].timings["ttft"] + 0.05
+    med = {k: statistics.median(s[k] for s in spans.values()) for k in ("queue_s", "prefill_s", "decode_s", "ttft_s")}
+    client = statistics.median(f.timings["ttft"] for f in finished.values())
+    print("vLLM's own timings, median of 24 (ms): " + ", ".join(f"{k} {v * 1000:.1f}" for k, v in med.items())
+          + f"; client TTFT {client * 1000:.1f}")
 
 
 @pytest.mark.anyio
