@@ -132,4 +132,7 @@ class BatchPane(Pane):
         return draw_batch(ctx)
 
     def subtitle(self, ctx: PaneContext) -> str:
-        return f"step {ctx.view.step} · {ctx.view.mode}" if ctx.view is not None else ""
+        if ctx.view is None:
+            return ""
+        external = "forward" in ctx.not_recorded and not ctx.view.batches  # a received chunk, not a batch
+        return f"step {ctx.view.step} · {'chunk' if external else ctx.view.mode}"
