@@ -64,7 +64,9 @@ def tiny_sp():
 # --- real peer engines (issue 15), started once per test run and stopped at its end ----------------
 # A peer that cannot start raises PeerStartError (the reason and its log's tail): every test that
 # needs it then errors with that reason (pytest keeps the fixture's failure for the session, so
-# vLLM's minutes-long start is not retried per test). Never a skip.
+# vLLM's minutes-long start is not retried per test). Never a skip. A user of a server calls
+# `server.check_alive()` first: a server that died since (the OOM killer on a crowded machine) then
+# fails the test with its exit status and log instead of a refused connection.
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,7 @@ def llama_run(llamacpp_server, tmp_path_factory) -> LlamaRun:
     reqs = [ProbeRequest(prompt=p, params=greedy) for p in PLAIN]
     reqs += [ProbeRequest(messages=[{"role": "user", "content": c}], params=greedy) for c in CHAT]
     path = tmp_path_factory.mktemp("llamacpp") / "llamacpp.wbtrace"
-    result = probe(llamacpp_server.url, reqs, path, concurrency=8, top_logprobs=TOP, max_tokens=MAX_TOKENS,
+    result = probe(llamacpp_server.check_alive().url, reqs, path, concurrency=8, top_logprobs=TOP, max_tokens=MAX_TOKENS,
                    progress=False)
     report = check_trace(path, "smollm2", progress=False)
     print(f"\nllama.cpp startup {llamacpp_server.startup_s:.0f} s\n{report.render()}")

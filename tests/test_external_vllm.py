@@ -64,7 +64,7 @@ def vllm_run(vllm_server, otlp_receiver, tmp_path_factory) -> VllmRun:
     from workbench.cli import main
 
     path = tmp_path_factory.mktemp("vllm") / "vllm.wbtrace"
-    result = probe(vllm_server.url, _requests(), path, concurrency=8, top_logprobs=TOP, max_tokens=MAX_TOKENS,
+    result = probe(vllm_server.check_alive().url, _requests(), path, concurrency=8, top_logprobs=TOP, max_tokens=MAX_TOKENS,
                    otlp=otlp_receiver, progress=False)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -100,7 +100,7 @@ def test_every_request_is_recorded_with_the_servers_token_ids_and_logprobs(vllm_
     with open_trace(vllm_run.path) as trace:
         assert trace.meta["source"] == "external"
         assert trace.meta["external"]["identity"]["version"]["version"] == "0.32.0"
-        tokens = trace.events(kind="token")
+        tokens = list(trace.events(kind="token"))
         assert len(tokens) == sum(len(r.tokens) for r in res.records)
         assert {e.source for e in tokens} == {"external"}
         assert len(trace.requests()) == 24 and all(r.finished is not None for r in trace.requests())

@@ -128,6 +128,7 @@ def test_probe_with_otlp_port_records_vllms_own_queue_and_prefill_times(vllm_ser
     from workbench.cli import main
     from workbench.trace.reader import open_trace
 
+    vllm_server.check_alive()
     port = otlp_receiver.port  # the session vLLM exports here: hand the port to the probe's receiver
     path = tmp_path / "otlp.wbtrace"
     prompts = ["The capital of France is", "def add(a, b):", "Three colours:", "Water is made of"]

@@ -90,3 +90,13 @@ def test_missing_venv_says_how_to_install_it(tmp_path, monkeypatch):
         LlamaCppServer(tmp_path / "model.gguf").start()
     with pytest.raises(ValueError, match="allowed"):
         peer_python("sglang")
+
+
+def test_a_server_that_dies_later_is_reported_with_its_exit_status_and_log(tmp_path):
+    with _fake(tmp_path) as srv:
+        assert srv.check_alive() is srv
+        os.kill(srv.proc.pid, 9)
+        srv.proc.wait(5)
+        with pytest.raises(PeerStartError, match="not running .exit status -9") as err:
+            srv.check_alive()
+        assert "child" in err.value.log_tail

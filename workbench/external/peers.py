@@ -143,6 +143,13 @@ class PeerServer:
         self._say(f"ready on {self.url} after {self.startup_s:.0f} s, serving {self.model_id}")
         return self
 
+    def check_alive(self) -> PeerServer:
+        """Raise PeerStartError (exit status and log tail) if the server has died since it started."""
+        if self.proc is None or self.proc.poll() is not None:
+            code = None if self.proc is None else self.proc.returncode
+            raise self._fail(f"the server is not running (exit status {code}; -9 is a kill, e.g. the OOM killer)")
+        return self
+
     def stop(self) -> None:
         """SIGTERM the process group, SIGKILL what is left after `stop_timeout`; idempotent."""
         if self.proc is None:
