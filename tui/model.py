@@ -16,6 +16,7 @@ from typing import Any
 from tui.fmt import fork_label
 from tui.stepview import RequestData, StepView
 from tui.vocab import Vocab, load_tokenizer, tokenizer_folder
+from workbench.trace.checks import read_checks
 from workbench.trace.events import Event
 from workbench.trace.live import TraceView
 from workbench.trace.reader import RequestInfo, StepInfo, TraceError, open_trace
@@ -40,6 +41,7 @@ class TraceModel:
         self._reqs: OrderedDict[str, RequestData] = OrderedDict()
         self._requests: list[RequestInfo] | None = None
         self.problem: str | None = None  # the last damage found while reading (one line, for the status line)
+        self._checks: dict[str, dict[str, Any]] | None = None
 
     @property
     def name(self) -> str:
@@ -50,12 +52,27 @@ class TraceModel:
         return self.source.meta
 
     def title(self) -> str:
-        """`file · model` for the header."""
+        """`file · model` for the header (`· external <url>` for a probe of another engine)."""
         model = self.meta.get("model")
         label = model.get("name") or model.get("spec") if isinstance(model, dict) else None
+        if self.meta.get("source") == "external" and isinstance(model, dict):
+            label = f"{label} · external {model.get('served_by', '')}"
         title = f"{self.name} · {label}" if label else self.name
         fork = fork_label(self.meta)  # a fork names its parent and branch point
         return f"{title} · {fork}" if fork else title
+
+    @property
+    def not_recorded(self) -> frozenset[str]:
+        """Event kinds the trace's source does not report (an external engine's batches, stages, ...)."""
+        value = self.meta.get("not_recorded")
+        return frozenset(str(v) for v in value) if isinstance(value, list) else frozenset()
+
+    def checks(self) -> dict[str, dict[str, Any]]:
+        """The stored reference check, by request (read once; {} when the trace was never checked)."""
+        with self._lock:
+            if self._checks is None:
+                self._checks = read_checks(self.source)
+            return self._checks
 
     def steps(self) -> list[StepInfo]:
         with self._lock:
@@ -88,6 +105,7 @@ class TraceModel:
                                                        req_id=req_id))
             self.vocab.learn(events)
             data = RequestData.build(req_id, events)
+            data.check = self.checks().get(req_id)
             _remember(self._reqs, req_id, data, _REQ_CACHE)
             return data
 
@@ -128,7 +146,7 @@ class TraceModel:
     def invalidate_tail(self, steps: set[int] | None = None, req_ids: set[str] | None = None) -> None:
         """Forget cached data that new events may have changed (all of it when not told what)."""
         with self._lock:
-            self._requests = None
+            self._requests = self._checks = None
             if steps is None:
                 self._views.clear()
             else:

@@ -137,12 +137,13 @@ class StepView:
 
 @dataclass(slots=True)
 class RequestData:
-    """One request's prompt record, output tokens in position order, and finish record."""
+    """One request's prompt record, output tokens in position order, finish record and reference check."""
 
     req_id: str
     added: RequestAdded | None
     tokens: list[TokenChosen]
     finished: RequestFinished | None
+    check: dict | None = None  # `workbench check`'s result for this request (workbench/trace/checks.py)
 
     @classmethod
     def build(cls, req_id: str, events: list[Event]) -> RequestData:

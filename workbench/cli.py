@@ -1,5 +1,5 @@
-"""The `workbench` command: generate, demo, tui, serve, client, replay, diff, fork, invariance, export,
-bench, make-traces.
+"""The `workbench` command: generate, demo, tui, serve, client, probe, check, replay, diff, fork,
+invariance, export, bench, make-traces.
 
 Owns: argument parsing and wiring subcommands to library calls. Heavy imports (torch, the engine,
 textual, fastapi) happen inside each subcommand so `workbench --help` and the viewers start fast.
@@ -117,6 +117,18 @@ def cmd_tui(args: argparse.Namespace) -> int:
     import tui
 
     return tui.main(args.rest) or 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from workbench.external.cli_args import run_probe
+
+    return run_probe(args)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from workbench.external.cli_args import run_check
+
+    return run_check(args)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -298,6 +310,22 @@ def _p_client(sub) -> None:
     p.set_defaults(func=cmd_client)
 
 
+def _p_probe(sub) -> None:
+    from workbench.external.cli_args import add_probe_args
+
+    p = _add(sub, "probe", "record any OpenAI-compatible server (vLLM, llama.cpp, SGLang) into a trace")
+    add_probe_args(p)
+    p.set_defaults(func=cmd_probe)
+
+
+def _p_check(sub) -> None:
+    from workbench.external.cli_args import add_check_args
+
+    p = _add(sub, "check", "score a trace token by token against the reference model (teacher forcing)")
+    add_check_args(p)
+    p.set_defaults(func=cmd_check)
+
+
 def _p_export(sub) -> None:
     p = _add(sub, "export", "export a trace to Perfetto JSON or a per-token table")
     p.add_argument("trace")
@@ -322,7 +350,8 @@ def _p_make_traces(sub) -> None:
     p.set_defaults(func=cmd_make_traces)
 
 
-SUBCOMMANDS = [_p_generate, _p_demo, _p_tui, _p_serve, _p_client, _add_replay_parser, _add_diff_parser,
+SUBCOMMANDS = [_p_generate, _p_demo, _p_tui, _p_serve, _p_client, _p_probe, _p_check, _add_replay_parser,
+               _add_diff_parser,
                _add_fork_parser, _add_invariance_parser, _p_export, _p_bench, _p_make_traces]
 
 

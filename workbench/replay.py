@@ -261,6 +261,9 @@ def replay(path: str, *, overrides: list[str] | None = None, tolerance: float = 
     overrides = list(overrides or [])
     t0 = time.perf_counter()
     with open_trace(path) as trace:
+        if trace.meta.get("source") == "external":  # no engine config or steps of ours to re-run
+            raise ValueError(f"trace {path!r} was recorded from an external server by workbench probe; "
+                             "score it with: workbench check TRACE --reference MODEL")
         engine_cfg = _meta_object(trace, "engine")
         _meta_object(trace, "model")  # a damaged one stops here, naming the file
         requests = recorded_requests(trace)

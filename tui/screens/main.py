@@ -133,7 +133,8 @@ class MainScreen(CompactPanes, ScreenWorkers):
         """Redraw every pane from the loaded view (UI thread)."""
         if self.model is None:
             return
-        ctx = PaneContext(self.view, self.request, self.sel, self.model.vocab, self.options.show_times, self.hit)
+        ctx = PaneContext(self.view, self.request, self.sel, self.model.vocab, self.options.show_times, self.hit,
+                          self.model.not_recorded)
         for pane in self.panes():
             pane.show(ctx)
         self.refresh_status()
@@ -164,6 +165,7 @@ class MainScreen(CompactPanes, ScreenWorkers):
         self.model = message.model
         self.note = ""
         self.nav.set_steps(message.steps)
+        self.timeline.not_recorded = message.model.not_recorded
         self.timeline.set_rows(self.nav, self.options.show_times)
         start = self.options.start_step
         first = self.nav.last() if self.tail else self.nav.first()

@@ -39,6 +39,7 @@ class PaneContext:
     vocab: Vocab
     show_times: bool = True
     hit: SearchHit | None = None
+    not_recorded: frozenset[str] = frozenset()  # event kinds the trace's source does not report
 
     @property
     def req_step(self) -> ReqStep | None:
@@ -51,6 +52,7 @@ class Pane(ScrollView, can_focus=True):
     TITLE = "pane"
     WIDE = False  # True: draw at the content's natural width, not wrapped to the pane
     MIN_WIDTH = 20  # never wrap narrower than this (a narrow pane scrolls sideways instead)
+    RECORDS: tuple[str, ...] = ()  # the event kinds this pane draws; none of them recorded -> "not recorded"
 
     def __init__(self, *, id: str | None = None) -> None:  # noqa: A002 - Textual's name
         super().__init__(id=id)
@@ -65,9 +67,15 @@ class Pane(ScrollView, can_focus=True):
     def subtitle(self, ctx: PaneContext) -> str:
         return ""
 
+    def not_recorded_text(self) -> Text:
+        """What a pane shows when the trace's source does not report what it draws (never zeros)."""
+        return Text(f"{self.TITLE}: not recorded. An external engine reports only its stream: tokens, "
+                    "logprobs, top-k, finish reason, usage and chunk times.", style="dim italic")
+
     def show(self, ctx: PaneContext) -> None:
         """Redraw from `ctx` (UI thread only)."""
-        self._renderable = self.draw(ctx)
+        missing = bool(self.RECORDS) and set(self.RECORDS) <= ctx.not_recorded
+        self._renderable = self.not_recorded_text() if missing else self.draw(ctx)
         self.border_subtitle = self.subtitle(ctx)
         self._render_strips()
 

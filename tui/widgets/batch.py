@@ -170,10 +170,14 @@ def draw_batch(ctx: PaneContext) -> RenderableType:
 
 class BatchPane(Pane):
     TITLE = "ForwardBatch"
+    RECORDS = ("schedule", "forward_batch", "forward", "kv")
     WIDE = True
 
     def draw(self, ctx: PaneContext) -> RenderableType:
         return draw_batch(ctx)
 
     def subtitle(self, ctx: PaneContext) -> str:
-        return f"step {ctx.view.step} · {ctx.view.mode}" if ctx.view is not None else ""
+        if ctx.view is None:
+            return ""
+        external = "forward" in ctx.not_recorded and not ctx.view.batches  # a received chunk, not a batch
+        return f"step {ctx.view.step} · {'chunk' if external else ctx.view.mode}"

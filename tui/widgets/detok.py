@@ -53,6 +53,7 @@ def draw_detok(ctx: PaneContext) -> RenderableType:
 
 class DetokPane(Pane):
     TITLE = "Detokenizer"
+    RECORDS = ("detok",)
 
     def draw(self, ctx: PaneContext) -> RenderableType:
         return draw_detok(ctx)

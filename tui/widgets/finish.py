@@ -65,6 +65,7 @@ def draw_finish(ctx: PaneContext) -> RenderableType:
 
 class FinishPane(Pane):
     TITLE = "Finish"
+    RECORDS = ("finish",)
     MIN_WIDTH = 50
 
     def draw(self, ctx: PaneContext) -> RenderableType:

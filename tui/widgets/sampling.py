@@ -105,6 +105,7 @@ def draw_sampling(ctx: PaneContext) -> RenderableType:
 
 class SamplingPane(Pane):
     TITLE = "Logits & sampling"
+    RECORDS = ("logits", "sampling")
     WIDE = True
 
     def draw(self, ctx: PaneContext) -> RenderableType:

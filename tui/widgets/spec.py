@@ -105,6 +105,7 @@ def draw_spec(ctx: PaneContext) -> RenderableType:
 
 class SpecPane(Pane):
     TITLE = "Speculative"
+    RECORDS = ("spec.draft", "spec.verify")
     WIDE = True
 
     def draw(self, ctx: PaneContext) -> RenderableType:

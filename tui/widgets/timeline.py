@@ -24,8 +24,13 @@ HEADER = f"{'step':>6} {'mode':<7} {'bs':>3} {'tok':>5} {'out':>4} {'ms':>7} {'s
 _MODES = {"TARGET_VERIFY": "VERIFY", "DRAFT_EXTEND": "DRAFT"}
 
 
-def row_text(info: StepInfo, show_times: bool = True) -> str:
-    """One timeline row: step, mode, batch size, tokens in the forward, tokens out, ms, accepted/drafted."""
+def row_text(info: StepInfo, show_times: bool = True, not_recorded: frozenset[str] = frozenset()) -> str:
+    """One timeline row: step, mode, batch size, tokens in the forward, tokens out, ms, accepted/drafted.
+
+    A trace whose source reports no forwards (an external engine: a step is one received chunk) shows
+    `chunk` and `—` for what it did not report, never zeros."""
+    if "forward" in not_recorded and info.mode is None:
+        return f"{info.step:>6} {'chunk':<7} {'—':>3} {'—':>5} {info.output_tokens:>4} {'—':>7} {'':>5}"
     mode = _MODES.get(info.mode or "", info.mode or "IDLE")[:7]
     spec = f"{info.spec_accepted}/{info.spec_proposed}" if info.spec_proposed else ""
     return (f"{info.step:>6} {mode:<7} {info.batch_size:>3} {info.num_tokens:>5} {info.output_tokens:>4} "
@@ -60,6 +65,7 @@ class StepTimeline(ScrollView, can_focus=True):
         self.nav = Navigator()
         self.cursor: int | None = None
         self.show_times = True
+        self.not_recorded: frozenset[str] = frozenset()  # the trace source's unreported kinds
         self.border_title = "Steps"
 
     def set_rows(self, nav: Navigator, show_times: bool = True) -> None:
@@ -82,7 +88,7 @@ class StepTimeline(ScrollView, can_focus=True):
     def visible_rows(self) -> list[str]:
         """The rows on screen now, as text (what the user sees)."""
         top, height = round(self.scroll_offset.y), self.scrollable_content_region.height - 1
-        return [row_text(s, self.show_times) for s in self.nav.visible[top:top + height]]
+        return [row_text(s, self.show_times, self.not_recorded) for s in self.nav.visible[top:top + height]]
 
     def render_line(self, y: int) -> Strip:
         scroll_x, scroll_y = self.scroll_offset
@@ -97,7 +103,7 @@ class StepTimeline(ScrollView, can_focus=True):
         info = self.nav.visible[row]
         cls = "timeline--cursor" if info.step == self.cursor else "timeline--row"
         style = self.get_component_rich_style(cls)
-        text = (" " + row_text(info, self.show_times)).ljust(max(width, len(HEADER) + 1))
+        text = (" " + row_text(info, self.show_times, self.not_recorded)).ljust(max(width, len(HEADER) + 1))
         return Strip([Segment(text, style)]).crop(scroll_x, scroll_x + width)
 
     def on_click(self, event: Click) -> None:

@@ -1,8 +1,9 @@
 """The tokens pane: the selected request's output coloured by logprob, and the selected token's alternatives.
 
 Owns: drawing the prompt line, the output as chips coloured by probability band (tokens produced
-after the selected step dimmed, the selected token reversed, search matches underlined), the
-selected token's id, logprob, rank and source, and its top alternatives with bars. Does not own
+after the selected step dimmed, the selected token reversed, search matches underlined, checked
+divergences marked), the selected token's id, logprob, rank and source, its top alternatives with
+bars, and, when the trace was checked, the reference beside each token (widgets/reference.py). Does not own
 loading the request (the screen's workers do).
 """
 
@@ -16,6 +17,13 @@ from rich.text import Text
 from tui.fmt import BRANCH_MARK, bar, legend, num, p_style, quote, visible
 from tui.stepview import RequestData
 from tui.widgets.base import Pane, PaneContext
+from tui.widgets.reference import (
+    check_subtitle,
+    chip_style,
+    client_timing_line,
+    reference_line,
+    reference_table,
+)
 from workbench.trace.events import TokenChosen
 
 FUTURE_STYLE = "grey50"
@@ -47,6 +55,9 @@ def chips(data: RequestData, step: int | None, selected: int | None, hit_positio
         if tok.source == "forced":  # a fork's branch point: the token was forced, not sampled
             out.append(BRANCH_MARK, "bold magenta")
             style += " italic"
+        marked = chip_style(data, tok.position) if not future else None
+        if marked:
+            style += " " + marked
         out.append(visible(tok.text) or "∅", style)
         if "\n" in tok.text:
             out.append("\n")
@@ -79,6 +90,9 @@ def draw_tokens(ctx: PaneContext) -> RenderableType:
     if data is None:
         return Text("no request selected" if ctx.selection.req_id is None else "loading…", style="dim")
     parts: list[RenderableType] = [prompt_text(data)]
+    timing = client_timing_line(data, ctx.show_times)
+    if timing is not None:
+        parts.append(timing)
     hit = ctx.hit.positions if ctx.hit is not None and ctx.hit.req_id == data.req_id else ()
     if not data.tokens:
         parts.append(Text("no output tokens yet", style="dim"))
@@ -89,8 +103,14 @@ def draw_tokens(ctx: PaneContext) -> RenderableType:
         parts.append(Text("no token of this request in this step; h/l selects one", style="dim"))
     else:
         parts.append(token_detail(data.tokens[i]))
+        ref = reference_line(data, data.tokens[i].position)
+        if ref is not None:
+            parts.append(ref)
         if data.tokens[i].top_logprobs:
             parts.append(alternatives(data.tokens[i]))
+    table = reference_table(data, ctx.selection.position)
+    if table is not None:
+        parts.append(table)
     return Group(*parts)
 
 
@@ -106,7 +126,7 @@ class TokensPane(Pane):
             return ""
         done = sum(1 for t in data.tokens if ctx.selection.step is None or t.step <= ctx.selection.step)
         state = f" · {data.finished.finish_reason}" if data.finished and data.finished.finish_reason else ""
-        return f"{data.req_id} · {done}/{len(data.tokens)} tokens{state}"
+        return f"{data.req_id} · {done}/{len(data.tokens)} tokens{state}{check_subtitle(data)}"
 
     def show(self, ctx: PaneContext) -> None:
         super().show(ctx)

@@ -111,7 +111,10 @@ class RequestView:
         return _last_at(self.detok, step)
 
     def text_at(self, step: int) -> str:
-        """The text streamed to the client by the end of `step` (the detokenizer's deltas)."""
+        """The text streamed to the client by the end of `step` (the detokenizer's deltas; a trace
+        without detokenizer states, such as a probe of an external engine, joins its tokens' text)."""
+        if not self.detok:
+            return "".join(t.text for t in self.tokens if t.step <= step)
         return "".join(d.delta for d in self.detok if d.step <= step)
 
     def vocab(self) -> dict[int, str]:

@@ -19,10 +19,17 @@ import plotly.graph_objects as go
 from workbench.notebook import figures
 from workbench.notebook.data import EventSource, RequestView, Source, TraceSource, as_source
 from workbench.notebook.html import render_page
+from workbench.notebook.reference import (
+    client_timing_figure,
+    not_recorded,
+    not_recorded_figure,
+    reference_figure,
+    source_checks,
+)
 from workbench.trace.events import Event, SamplingStages
 from workbench.trace.latency import RequestLatency
 
-PANELS = ("tokens", "stages", "spec", "batch", "finish", "latency")
+PANELS = ("tokens", "reference", "stages", "spec", "batch", "finish", "latency")
 LATENCY_KINDS = ("stamp", "request.finished")
 
 
@@ -93,6 +100,8 @@ class TraceViewer:
     def __init__(self, path_or_trace: Any, req_id: str | None = None, step: int | None = None,
                  widgets: bool | None = None, token_text: Callable[[int], str] | None = None) -> None:
         self.source: Source = as_source(path_or_trace)
+        self.not_recorded = not_recorded(self.source)  # an external engine's unreported kinds
+        self.checks = source_checks(self.source)  # `workbench check` results, by request
         self.token_text = token_text
         self._widgets = _ipywidgets() if widgets is not False else None
         if widgets and self._widgets is None:
@@ -181,8 +190,10 @@ class TraceViewer:
         token = req.token_at(step) if req is not None and step is not None else None
         vocab = self._vocab(req, req.stages_for(token) if req else None)
         req_steps = {e.step for e in req.tokens} | {e.step for e in req.finishes} if req else set()
-        return {
+        built = {
             "tokens": figures.tokens_figure(req, step),
+            "reference": reference_figure(self.checks.get(self.req_id or ""), self.req_id,
+                                          getattr(getattr(self.source, "trace", None), "meta", {}).get("check")),
             "stages": figures.stages_figure(req.stages_for(token) if req else None, vocab),
             "spec": figures.spec_figure(req.verifies if req else [], step, vocab),
             "batch": figures.batch_figure(self.source.steps(), step, req_steps),
@@ -190,6 +201,14 @@ class TraceViewer:
                                             req.finished if req else None),
             "latency": figures.latency_waterfall(request_latency(self.source, self.req_id)),
         }
+        unreported = {"stages": ("sampling", "sampling stages"), "spec": ("spec.verify", "speculative decoding"),
+                      "batch": ("forward_batch", "batch and KV usage"), "finish": ("finish", "finish decision")}
+        for name, (kind, title) in unreported.items():
+            if kind in self.not_recorded:
+                built[name] = not_recorded_figure(title)
+        if "forward" in self.not_recorded:  # no engine stamps: the client's own view of the stream
+            built["latency"] = client_timing_figure(req.finished if req else None)
+        return built
 
     def _vocab(self, req: RequestView | None, stages: SamplingStages | None) -> dict[int, str]:
         vocab = req.vocab() if req else {}
@@ -236,7 +255,7 @@ class TraceViewer:
         self.picker.observe(self._on_picker, names="value")
         pane = {name: p.widget for name, p in self._panes.items()}
         self.widget = w.VBox([
-            w.HBox([self.picker, self.slider]), self.info, pane["tokens"],
+            w.HBox([self.picker, self.slider]), self.info, pane["tokens"], pane["reference"],
             w.HBox([pane["stages"], pane["spec"]], layout=w.Layout(width="100%")),
             w.HBox([pane["batch"], pane["finish"]], layout=w.Layout(width="100%")),
             pane["latency"],

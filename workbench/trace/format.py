@@ -175,8 +175,8 @@ class StepSummary:
     spec_accepted: int = 0
     _batch_ids_from_forward: bool = field(default=False, repr=False)
 
-    def add(self, event_id: int, kind: str, t: float, p: dict[str, Any]) -> None:
-        """Fold one event (its kind, time and payload dict) into the summary."""
+    def add(self, event_id: int, kind: str, t: float, p: dict[str, Any], req_id: str | None = None) -> None:
+        """Fold one event (its kind, time, payload dict and request) into the summary."""
         self.num_events += 1
         self.first_id = event_id if self.first_id is None else min(self.first_id, event_id)
         self.last_id = event_id if self.last_id is None else max(self.last_id, event_id)
@@ -211,6 +211,8 @@ class StepSummary:
             self.kv_used, self.kv_total = p.get("kv_used"), p.get("kv_total")
         elif kind == "token":
             self.output_tokens += 1
+            if req_id is not None and not self._batch_ids_from_forward:  # a step with no batch: an external
+                self._merge_ids([req_id])  # engine's chunk (workbench probe) still names its request
         elif kind == "spec.verify":
             self.spec_proposed += len(p.get("draft_tokens") or ())
             self.spec_accepted += int(p.get("num_accepted") or 0)

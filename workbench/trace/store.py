@@ -173,7 +173,7 @@ class TraceWriter:
         t = 0.0 if t != t else t  # SQLite would store NaN as NULL
         text = json_dumps(payload)
         summary = self._summary(step)
-        summary.add(self._next_id, event.kind, t, payload)
+        summary.add(self._next_id, event.kind, t, payload, event.req_id)
         touched[step] = summary
         event_id, self._next_id = self._next_id, self._next_id + 1
         return (event_id, step, event.req_id, event.kind, t, text)
