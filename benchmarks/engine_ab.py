@@ -5,13 +5,15 @@
 Each run is its own process with that tree first on `sys.path` (so each imports its own `workbench`)
 and times `benchmarks/throughput.py`'s untraced engine run of that tree. Rounds alternate A B, B A,
 ... so a burst of load on a shared machine hits both; the result is the median of the per-round
-ratios B / A (above 1: B is faster). Use it for "throughput unchanged by a refactor" claims.
+ratios B / A (above 1: B is faster), by wall clock and by the process's CPU time (tokens per
+CPU-second, one thread by default: what a loaded machine distorts least). Use it for "throughput unchanged by a refactor" claims.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -24,18 +26,24 @@ from benchmarks.throughput import bench_engine, chat_prompts
 from workbench.models import load_model
 import workbench
 assert workbench.__file__.startswith({tree!r}), workbench.__file__
+import time
 loaded = load_model({model!r}, device="cpu")
-print(json.dumps(bench_engine(loaded, chat_prompts({prompts}), {new})))
+cpu = time.process_time()
+r = bench_engine(loaded, chat_prompts({prompts}), {new})
+r["cpu_s"] = time.process_time() - cpu  # includes the engine's set-up and a 2-prompt warm-up
+print(json.dumps(r))
 """
 
 
-def run(tree: Path, args: argparse.Namespace) -> float:
+def run(tree: Path, args: argparse.Namespace) -> dict[str, float]:
     code = RUN.format(tree=str(tree), model=args.model, prompts=args.prompts, new=args.new)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tree,
-                         env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin", "TOKENIZERS_PARALLELISM": "false"})
+                         env={**os.environ, "PYTHONPATH": str(tree), "TOKENIZERS_PARALLELISM": "false",
+                              "OMP_NUM_THREADS": str(args.threads)})
     if out.returncode != 0:
         raise SystemExit(f"{tree}: the run failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["tok_s"]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"tok_s": r["tok_s"], "cpu_tok_s": r["tokens"] / r["cpu_s"]}
 
 
 def main() -> None:
@@ -46,6 +54,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run (1: CPU time is"
+                    " one thread's work, which a loaded machine distorts least)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     a_tree, b_tree = args.a.resolve(), args.b.resolve()
@@ -54,12 +64,17 @@ def main() -> None:
         order = [("a", a_tree), ("b", b_tree)] if i % 2 == 0 else [("b", b_tree), ("a", a_tree)]
         r = {name: run(tree, args) for name, tree in order}
         rounds.append(r)
-        print(f"round {i + 1}: A {r['a']:7.1f} tok/s   B {r['b']:7.1f} tok/s   B/A {r['b'] / r['a']:.3f}", flush=True)
-    ratio = statistics.median(r["b"] / r["a"] for r in rounds)
-    print(f"median same-round ratio B/A over {args.rounds} rounds: {ratio:.3f}")
+        a, b = r["a"], r["b"]
+        print(f"round {i + 1}: wall A {a['tok_s']:7.1f} B {b['tok_s']:7.1f} tok/s (B/A {b['tok_s'] / a['tok_s']:.3f}); "
+              f"CPU A {a['cpu_tok_s']:7.1f} B {b['cpu_tok_s']:7.1f} tok/CPU-s (B/A "
+              f"{b['cpu_tok_s'] / a['cpu_tok_s']:.3f})", flush=True)
+    ratio = statistics.median(r["b"]["tok_s"] / r["a"]["tok_s"] for r in rounds)
+    cpu_ratio = statistics.median(r["b"]["cpu_tok_s"] / r["a"]["cpu_tok_s"] for r in rounds)
+    print(f"median same-round ratio B/A over {args.rounds} rounds: wall {ratio:.3f}, CPU time {cpu_ratio:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                               "rounds": rounds, "median_ratio": ratio}, indent=1))
+                                               "rounds": rounds, "median_ratio": ratio,
+                                               "median_cpu_ratio": cpu_ratio}, indent=1))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from tests.test_tui_fixtures import _anyio_backend  # noqa: F401 - fixture
 from workbench.external.check import check_trace
 from workbench.external.check_report import topk_divergence
 from workbench.trace.checks import read_checks

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 
-from tests.test_tui_fixtures import _anyio_backend  # noqa: F401 - fixture
 from tests.test_tui_panes import pane, tui
 from workbench.external.probe import probe
 from workbench.external.records import ID_SERVER, ProbeRequest, ProbeResult

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 import workbench
-from tests.test_tui_fixtures import _anyio_backend  # noqa: F401 - fixture
 from tests.test_tui_panes import pane, tui
 from workbench.cli import main as cli_main
 from workbench.engine.engine import Engine

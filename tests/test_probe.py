@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 
-from tests.test_tui_fixtures import _anyio_backend  # noqa: F401 - fixture
 from workbench.external.probe import probe
 from workbench.external.records import ProbeRequest, load_prompts_jsonl
 from workbench.trace.reader import open_trace

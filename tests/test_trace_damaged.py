@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_tui_fixtures import _anyio_backend  # noqa: F401 - fixture
 from workbench.cli import main as cli_main
 from workbench.trace.reader import TraceError, open_trace
 

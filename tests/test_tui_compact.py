@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_tui_fixtures import _example_trace, _smollm2_folder  # noqa: F401 - fixtures
 from tests.test_tui_panes import settle
 from tui.app import WorkbenchApp
 from tui.screens.compact import PANES
