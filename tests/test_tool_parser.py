@@ -9,12 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workbench.engine.output.tool_parser import (
-    StreamingToolParser,
-    ToolParseResult,
-    inject_tools,
-    parse_tool_calls,
-)
+from workbench.engine.output.tool_parser import StreamingToolParser, ToolParseResult, parse_tool_calls
+from workbench.engine.output.tool_prompt import inject_tools
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>'
 FRAGMENTS = [

@@ -131,7 +131,7 @@ class EngineLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.admission_limits = admission or AdmissionLimits()
-        max_running = int(getattr(engine, "config", {}).get("max_running", 64))
+        max_running = engine.config.max_running
         # one request holds at most a quarter of the running slots: the rest stay free for others, and
         # the steps they all share stay short, so a small request is not held behind a big one
         self._admitter = Admitter(engine, self.admission_limits.window(max_running), self._job_failed)

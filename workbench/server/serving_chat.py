@@ -1,7 +1,7 @@
 """`/v1/chat/completions`: chat messages and tools in, OpenAI chat responses or chunks out.
 
 Owns: turning OpenAI messages and `tools` into the chat the engine renders (tool definitions go
-into the system prompt through `tool_parser.inject_tools`), the non-streaming response (tool calls
+into the system prompt through `tool_prompt.inject_tools`), the non-streaming response (tool calls
 parsed from the final text) and the stream (role chunk, content deltas with logprobs, tool calls
 as each completes, finish reason, optional usage chunk, an error event if the engine fails, then
 `[DONE]`). tool_choice "required" or a named function is enforced with a grammar
@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from workbench.engine.output.output import RequestOutput
 from workbench.engine.output.tool_formats import make_stream_parser, parse_tool_text
-from workbench.engine.output.tool_parser import inject_tools
+from workbench.engine.output.tool_prompt import inject_tools
 from workbench.server.engine_loop import RequestHandle, StreamItem
 from workbench.server.errors import APIError, bad_request, error_body
 from workbench.server.logprobs import chat_logprobs

@@ -4,7 +4,7 @@ Owns: building the EBNF grammar that makes the model's whole answer one tool cal
 format, `<tool_call>\\n{"name": <one of the tools>, "arguments": <that tool's parameters>}\\n</tool_call>`
 (the JSON part comes from each tool's JSON schema through xgrammar, joined with the tags by
 `Grammar.concat`). The engine applies it as an `ebnf` constraint. Does not own: parsing the call
-back out (engine/output/tool_parser.py) or the tool descriptions in the prompt (tool_parser.inject_tools).
+back out (engine/output/tool_parser.py) or the tool descriptions in the prompt (tool_prompt.inject_tools).
 """
 
 from __future__ import annotations
