@@ -52,7 +52,7 @@ class PeerProcess:
     name: str
     cmd: list[str]
     env: dict[str, str]
-    load_timeout: float = 900.0
+    load_timeout: float = 720.0
     proc: subprocess.Popen | None = None
     error: str | None = None
     load_s: float = 0.0
@@ -121,8 +121,9 @@ class PeerProcess:
 
 def make_peers(model_folder: Path, which: list[str], threads: int) -> Iterator[PeerProcess]:
     """The asked-for peers, each started when iterated (wait_ready() it, close() it before the next)."""
-    base = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(threads),
-            "VLLM_CPU_OMP_THREADS_BIND": "all", "TOKENIZERS_PARALLELISM": "false"}
+    # 1 GiB of KV cache (env VLLM_CPU_KVCACHE_SPACE overrides): 32 requests x 100 tokens need 0.15
+    base = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "all", "TOKENIZERS_PARALLELISM": "false"}
     base.pop("PYTHONPATH", None)  # the peer's own environment, not the workbench's
     for name in which:
         engine = "llamacpp" if name == "llama.cpp" else "vllm"
