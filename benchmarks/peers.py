@@ -90,7 +90,9 @@ class PeerProcess:
         t0 = time.perf_counter()
         ans = self._answer(self.load_timeout)
         if "error" in ans:
-            self.error = ans["error"]
+            time.sleep(0.5)  # the reader thread collects the peer's last log lines (its root cause)
+            cause = [x for x in self.log if "Error" in x or "error" in x][-3:]
+            self.error = ans["error"] + (" | peer log: " + " | ".join(cause)[-1200:] if cause else "")
             self.close()
         else:
             self.load_s = ans.get("load_s", time.perf_counter() - t0)
