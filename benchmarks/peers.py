@@ -125,7 +125,7 @@ def make_peers(model_folder: Path, which: list[str], threads: int) -> Iterator[P
     """The asked-for peers, each started when iterated (wait_ready() it, close() it before the next)."""
     # 1 GiB of KV cache (env VLLM_CPU_KVCACHE_SPACE overrides): 32 requests x 100 tokens need 0.15
     base = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "all", "TOKENIZERS_PARALLELISM": "false"}
+            "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     base.pop("PYTHONPATH", None)  # the peer's own environment, not the workbench's
     for name in which:
         engine = "llamacpp" if name == "llama.cpp" else "vllm"
