@@ -52,7 +52,7 @@ class PeerProcess:
     name: str
     cmd: list[str]
     env: dict[str, str]
-    load_timeout: float = 900.0
+    load_timeout: float = 720.0
     proc: subprocess.Popen | None = None
     error: str | None = None
     load_s: float = 0.0
@@ -90,7 +90,9 @@ class PeerProcess:
         t0 = time.perf_counter()
         ans = self._answer(self.load_timeout)
         if "error" in ans:
-            self.error = ans["error"]
+            time.sleep(0.5)  # the reader thread collects the peer's last log lines (its root cause)
+            cause = [x for x in self.log if "Error" in x or "error" in x][-3:]
+            self.error = ans["error"] + (" | peer log: " + " | ".join(cause)[-1200:] if cause else "")
             self.close()
         else:
             self.load_s = ans.get("load_s", time.perf_counter() - t0)
@@ -121,8 +123,9 @@ class PeerProcess:
 
 def make_peers(model_folder: Path, which: list[str], threads: int) -> Iterator[PeerProcess]:
     """The asked-for peers, each started when iterated (wait_ready() it, close() it before the next)."""
-    base = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(threads),
-            "VLLM_CPU_OMP_THREADS_BIND": "all", "TOKENIZERS_PARALLELISM": "false"}
+    # 1 GiB of KV cache (env VLLM_CPU_KVCACHE_SPACE overrides): 32 requests x 100 tokens need 0.15
+    base = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     base.pop("PYTHONPATH", None)  # the peer's own environment, not the workbench's
     for name in which:
         engine = "llamacpp" if name == "llama.cpp" else "vllm"
