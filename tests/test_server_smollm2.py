@@ -49,8 +49,13 @@ def test_required_tool_call_streaming_and_not(client):
         for c in chunk.choices:
             streamed += c.delta.tool_calls or []
             reasons.append(c.finish_reason)
-    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in streamed] == \
-        [(0, "get_weather", {"city": "Paris"})]
+    # OpenAI's shape: the first delta of a call carries its id and name, later ones argument pieces
+    calls: dict[int, list[str]] = {}
+    for t in streamed:
+        if t.function.name:
+            calls[t.index] = [t.function.name, ""]
+        calls[t.index][1] += t.function.arguments or ""
+    assert [(i, name, json.loads(args)) for i, (name, args) in calls.items()] == [(0, "get_weather", {"city": "Paris"})]
     assert reasons[-1] == "tool_calls"
 
 
