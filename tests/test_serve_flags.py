@@ -69,8 +69,8 @@ def test_flags_reach_the_running_server() -> None:
     engine, app = build_server(args)
     try:
         cfg = engine.config
-        assert (cfg["max_running"], cfg["chunk_size"], cfg["seed"]) == (4, 16, 3)
-        assert engine.spec is not None and cfg["spec"]["num_speculative_tokens"] == 2
+        assert (cfg.max_running, cfg.chunk_size, cfg.seed) == (4, 16, 3)
+        assert engine.spec is not None and cfg.spec["num_speculative_tokens"] == 2
         with BackgroundServer(app) as srv:
             models = httpx.get(srv.url + "/v1/models", timeout=30).json()
             assert models["data"][0]["max_model_len"] == 96
