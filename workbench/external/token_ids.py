@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from workbench.bytelevel import UNICODE_TO_BYTE
 from workbench.external.records import ID_RECOVERED, ID_SERVER, ID_UNKNOWN
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -39,20 +40,6 @@ def prompt_ids(tokenizer: Any, prompt: str | None, messages: list[dict[str, Any]
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     return list(tokenizer(prompt).input_ids)
 
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table (what byte-level BPE vocabularies store)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, n = list(keep), 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + n)
-            n += 1
-    return dict(zip(keep, (chr(c) for c in chars)))
-
-
-_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def parse_reported_bytes(text: str) -> bytes | None:
@@ -82,8 +69,8 @@ class TokenIds:
         m = _BYTE_TOKEN.match(piece)
         if m:
             return bytes([int(m.group(1), 16)])
-        if self.byte_level and piece and all(ch in _UNICODE_TO_BYTE for ch in piece):
-            return bytes(_UNICODE_TO_BYTE[ch] for ch in piece)
+        if self.byte_level and piece and all(ch in UNICODE_TO_BYTE for ch in piece):
+            return bytes(UNICODE_TO_BYTE[ch] for ch in piece)
         if not self.byte_level:
             return piece.replace("\u2581", " ").encode("utf-8")
         return piece.encode("utf-8")

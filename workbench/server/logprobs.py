@@ -14,26 +14,13 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from workbench.bytelevel import UNICODE_TO_BYTE
 from workbench.engine.output.output import TokenLogprob
 from workbench.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 MIN_LOGPROB = -9999.0
 
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table (what ByteLevel tokenizers store)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, n = list(keep), 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + n)
-            n += 1
-    return dict(zip(keep, (chr(c) for c in chars)))
-
-
-_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
 
 
 class TokenBytes:
@@ -61,8 +48,8 @@ class TokenBytes:
             m = _BYTE_TOKEN.match(piece)
             if m:
                 return [int(m.group(1), 16)]
-            if self.byte_level and piece and all(ch in _UNICODE_TO_BYTE for ch in piece):
-                return [_UNICODE_TO_BYTE[ch] for ch in piece]
+            if self.byte_level and piece and all(ch in UNICODE_TO_BYTE for ch in piece):
+                return [UNICODE_TO_BYTE[ch] for ch in piece]
             if "\u2581" in piece and not self.byte_level:
                 return list(piece.replace("\u2581", " ").encode("utf-8"))
         return list(text.encode("utf-8"))

@@ -44,6 +44,21 @@ def grammar_source(kind: str, source: Any) -> str:
     return source
 
 
+def _cache_key(schema_json: str) -> str:
+    """One cache entry per schema meaning: keys sorted everywhere except in `properties`, whose order
+    is the output's property order (two schemas that differ only there compile differently)."""
+
+    def canon(obj: Any, ordered: bool = False) -> Any:
+        if isinstance(obj, dict):
+            items = obj.items() if ordered else sorted(obj.items())
+            return [[k, canon(v, k == "properties" and not ordered)] for k, v in items]
+        if isinstance(obj, list):
+            return [canon(v) for v in obj]
+        return obj
+
+    return json.dumps(canon(json.loads(schema_json)))
+
+
 def _clean(exc: Exception) -> str:
     """xgrammar's C++ message without its timestamp, source path and assertion text."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -86,16 +101,17 @@ class GrammarBackend:
         return self._compiler
 
     def compile(self, kind: str, source: Any) -> Any:
-        key = (kind, grammar_source(kind, source))
+        text = grammar_source(kind, source)
+        key = (kind, _cache_key(text) if kind == "json_schema" else text)
         if key not in self._cache:
             comp = self._get_compiler()
             try:
                 if kind == "json_schema":
-                    compiled = comp.compile_json_schema(key[1], any_whitespace=False)
+                    compiled = comp.compile_json_schema(text, any_whitespace=False)
                 elif kind == "regex":
-                    compiled = comp.compile_regex(key[1])
+                    compiled = comp.compile_regex(text)
                 else:
-                    compiled = comp.compile_grammar(key[1])
+                    compiled = comp.compile_grammar(text)
             except Exception as exc:
                 raise ValueError(f"{kind} is invalid: {_clean(exc)}") from None
             self._cache[key] = compiled
