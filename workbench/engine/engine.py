@@ -29,6 +29,7 @@ from workbench.engine.output.postprocess import OutputProcessor
 from workbench.engine.output.stage import NewTokens, OutputStage
 from workbench.engine.prompts import Prompt, as_prompt_list, tokenize_prompt
 from workbench.engine.run import cpu_kernels, variants
+from workbench.engine.run.capture import Capturer
 from workbench.engine.run.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from workbench.engine.run.model_runner import ModelRunner
 from workbench.engine.sample.grammar import GrammarBackend
@@ -64,7 +65,7 @@ class Engine:
                  max_running: int = 64, enable_mixed: bool = True, trace: str | None = None,
                  trace_level: str = "summary", trace_topk: int = 10, trace_sinks: list[Sink] | None = None,
                  spec: Any = None, seed: int = 0, prefix_sharing: bool = True, prefix_cache: bool = False,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, capture: Any = None) -> None:
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded)
@@ -102,6 +103,7 @@ class Engine:
         self.tracer = self._make_tracer(trace, trace_level, trace_sinks)
         self.observer = tracing.TraceObserver(self.tracer, self.memory.allocator, self.outputs.token_text, trace_topk,
                                               attention=self._attention_record)
+        self.capture = Capturer(self.runner.model, capture, spec is not None, self.tracer)  # run/capture.py
         self.output_stage = OutputStage(self.outputs, self._release)
         self.finished: dict[str, RequestOutput] = self.output_stage.finished
         self.spec: SpecWorker | None = None
@@ -166,8 +168,9 @@ class Engine:
         return tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
 
     def add_request(self, prompt: Prompt | list[int], params: SamplingParams | None = None,
-                    req_id: str | None = None) -> list[str]:
-        """Validate and queue a request (n > 1 queues n); returns the request ids. Thread-safe."""
+                    req_id: str | None = None, capture: Any = None) -> list[str]:
+        """Validate and queue a request (n > 1 queues n); returns the request ids. Thread-safe.
+        `capture` (True, a dict or a CaptureSpec) looks inside the forward for this request."""
         arrival = time.perf_counter()
         params = params or SamplingParams()
         params.validate(self.vocab_size)
@@ -179,6 +182,7 @@ class Engine:
         ids = [base] if params.n == 1 else [f"{base}-{i}" for i in range(params.n)]
         if any(rid in self.reqs for rid in ids):
             raise ValueError(f"req_id {base!r} is already in use")
+        self.capture.admit(ids, capture)
         first = None
         for i, rid in enumerate(ids):
             seed = params.seed + i if params.seed is not None else None
@@ -249,6 +253,7 @@ class Engine:
         reqs = batch.reqs
         fb.sampling_info = SamplingBatchInfo.build([reqs[i] for i in fb.logits_owner], self.vocab_size,
                                                    self.device, eos_token_ids=self.outputs.eos_token_ids)
+        fb.capture = self.capture.plan(fb, reqs)
         ctx.obs.batch_built(ctx, fb)
         return fb
 
@@ -282,6 +287,9 @@ class Engine:
         clock.sampled = time.perf_counter()
         ctx.obs.forward_done(ctx, fb, forward_s, clock.sampled - clock.forward_end)
         ctx.obs.sampled(ctx, sample_reqs, logits, sample)
+        if fb.capture is not None:
+            ctx.obs.captured(ctx, fb.capture.finish(logits, sample.next_token_ids,
+                                                    [len(r.output_ids) for r in sample_reqs]))
         self.output_stage.append(ctx, sample_reqs, sample)
         return [NewTokens(req, [tok]) for req, tok in zip(sample_reqs, sample.next_token_ids, strict=True)]
 
@@ -316,6 +324,7 @@ class Engine:
         """A request ended: its KV goes (kept by the prefix cache after stop or length), so does the
         drafter's state for it."""
         released = self.scheduler.remove(req, cache=reason in ("stop", "length"))
+        self.capture.forget(req.req_id)
         if self.spec is not None:
             self.spec.release(req)
         return released

@@ -26,6 +26,7 @@ from workbench.trace.recorder import MemorySink, Sink, Tracer
 
 if TYPE_CHECKING:
     from workbench.engine.output.output import RequestOutput
+    from workbench.engine.run.capture import CaptureRecord
     from workbench.engine.run.forward_batch import ForwardBatch
     from workbench.engine.sample.sampler import SamplerOutput, SamplingBatchInfo
     from workbench.engine.sched.batch import Fork, Released, ScheduleBatch
@@ -211,6 +212,22 @@ class TraceObserver:
                 step=step, req_id=req.req_id, t=t, position=position, token_id=tok, text=text(tok),
                 logprob=_finite(sample.logprobs[i]), rank=sample.ranks[i], top_logprobs=tops,
                 source="forced" if i in sample.forced else "sample"))
+
+    def captured(self, ctx: StepContext, records: list[CaptureRecord]) -> None:
+        """What capture.py kept inside this step's forward: its tensors, then one event per position."""
+        if not self.tracer.on:
+            return
+        text = self.token_text
+        for rec in records:
+            names = {}
+            for quantity, tensor in rec.tensors.items():
+                names[quantity] = f"capture/{ctx.step}/{rec.req_id}/{rec.position}/{quantity}"
+                self.tracer.tensor(names[quantity], ctx.step, rec.req_id, tensor.numpy(), captured=True)
+            self.emit(ev.Captured(step=ctx.step, req_id=rec.req_id, t=_now(), position=rec.position,
+                                  token_id=rec.token_id, kv_len=rec.kv_len, margin=_finite(rec.margin),
+                                  what=rec.what, tensors=names,
+                                  lens_texts=[[text(t) for t in row] for row in rec.lens_ids],
+                                  prompt_texts=[text(t) for t in rec.prompt_ids or []]))
 
     def output_processed(self, ctx: StepContext, req: Req, token: int, detok: Any, decision: Any) -> None:
         """One appended token went through the detokenizer and the finish checks."""

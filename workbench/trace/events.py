@@ -312,12 +312,31 @@ class EngineError(Event):
     affected: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Captured(Event):
+    """Inside the forward that chose output `position`: the tensors kept for it (names in the tensors
+    table, by quantity: hidden, norms, lens_*, attention_*), the chosen token, the positions attended
+    (`kv_len`), the top-2 probability margin of the sampler's logits, per residual entry
+    (embeddings, then each layer) the logit lens's top token texts, and on a request's first capture
+    its prompt's token texts (what attended positions point at)."""
+
+    kind: ClassVar[str] = "capture"
+    position: int = 0
+    token_id: int = 0
+    kv_len: int = 0
+    margin: float | None = None
+    what: list[str] = field(default_factory=list)
+    tensors: dict[str, Any] = field(default_factory=dict)
+    lens_texts: list[list[Any]] = field(default_factory=list)
+    prompt_texts: list[str] = field(default_factory=list)  # the prompt's token texts, on a request's first capture
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
         RequestAdded, RequestFinished, ScheduleDecision, KVEvent, ForwardBatchBuilt, ForwardDone,
         Logits, SamplingStages, TokenChosen, SpecDraft, SpecVerify, DetokState, FinishDecision,
-        Stamp, EngineError,
+        Stamp, EngineError, Captured,
     )
 }
 

@@ -78,8 +78,9 @@ class Tracer:
         for sink in self.sinks:
             sink.write(event)
 
-    def tensor(self, name: str, step: int, req_id: str | None, array: Any) -> None:
-        if self.full:
+    def tensor(self, name: str, step: int, req_id: str | None, array: Any, *, captured: bool = False) -> None:
+        """Store a tensor at level `full`; a `captured` one (asked for per request) whenever tracing is on."""
+        if self.full or (captured and self.on):
             for sink in self.sinks:
                 sink.write_tensor(name, step, req_id, array)
 

@@ -96,6 +96,9 @@ def workbench_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         out[0, start:start + n] = o[0].transpose(0, 1)
     if meta.decode_kv_idx is not None:
         _decode(meta, kv, layer, query, out, scale, window, softcap, s_aux)
+    if fb.capture is not None:  # the captured rows' weights over the keys written above (capture.py)
+        fb.capture.attention(layer, query, kv, fb.memory.req_to_token_pool.req_to_token, scale, window, softcap,
+                             s_aux)
     return out, None
 
 

@@ -74,6 +74,7 @@ class ForwardBatch:
     layer_limit: int | None = None  # early-exit drafting runs only the first N layers
     # (batch index, position) of the kept rows after the sampling rows: logits for prompt logprobs
     prompt_logprob_rows: list[tuple[int, int]] = field(default_factory=list)
+    capture: Any = None  # a capture.ForwardCapture when a captured request samples in this forward
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,7 @@ Does not own: KV allocation (forward_batch.py) or sampling.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -59,10 +60,11 @@ class ModelRunner:
         """Logits `[len(fb.logits_rows), vocab]` in float32 for the kept rows."""
         if fb.layer_limit is not None:
             return self._forward_early_exit(fb)
-        out = self.model(
-            input_ids=fb.input_ids.unsqueeze(0), position_ids=fb.positions.unsqueeze(0), use_cache=False,
-            logits_to_keep=fb.logits_rows, forward_batch=fb,
-        )
+        with fb.capture.hooks() if fb.capture is not None else contextlib.nullcontext():
+            out = self.model(
+                input_ids=fb.input_ids.unsqueeze(0), position_ids=fb.positions.unsqueeze(0), use_cache=False,
+                logits_to_keep=fb.logits_rows, forward_batch=fb,
+            )
         return out.logits[0].float()
 
     def _forward_early_exit(self, fb: ForwardBatch) -> torch.Tensor:
