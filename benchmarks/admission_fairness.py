@@ -124,8 +124,12 @@ def wait_idle(url: str, limit: float = 30.0) -> float:
     """Seconds until /metrics shows nothing running or waiting (the engine dropped the big request)."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < limit:
-        lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
-        if "workbench_num_requests_running 0" in lines and "workbench_num_requests_waiting 0" in lines:
+        values = {}
+        for line in httpx.get(url + "/metrics", timeout=60).text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("workbench_num_requests_running", "workbench_num_requests_waiting"):
+                values[name] = float(value)  # prometheus_client writes gauges as floats ("0.0")
+        if len(values) == 2 and not any(values.values()):
             break
         time.sleep(0.1)
     return time.perf_counter() - t0

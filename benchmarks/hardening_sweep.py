@@ -18,7 +18,6 @@ import argparse
 import io
 import json
 import shutil
-import sqlite3
 import sys
 import tempfile
 import time
@@ -28,6 +27,9 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.trace_damage import DAMAGES  # noqa: E402  (the one catalogue, shared with the tests)
 
 MODEL = "tiny-random"
 C, CH = "/v1/completions", "/v1/chat/completions"
@@ -208,60 +210,6 @@ def slow_subscribers(url: str, count: int = 100) -> dict:
 
 
 # --- broken traces --------------------------------------------------------------------------------
-
-
-def _sql(*statements: str) -> Callable[[Path], None]:
-    def damage(path: Path) -> None:
-        with sqlite3.connect(path) as db:
-            for s in statements:
-                db.execute(s)
-    return damage
-
-
-def _bytes(at: float, length: int, fill: int | None = None) -> Callable[[Path], None]:
-    def damage(path: Path) -> None:
-        data = bytearray(path.read_bytes())
-        start = max(4096, int(len(data) * at))
-        for i in range(start, min(start + length, len(data))):
-            data[i] = fill if fill is not None else data[i] ^ 0xFF
-        path.write_bytes(bytes(data))
-    return damage
-
-
-def _truncate(frac: float) -> Callable[[Path], None]:
-    def damage(path: Path) -> None:
-        data = path.read_bytes()
-        path.write_bytes(data[: int(len(data) * frac)])
-    return damage
-
-
-TOKEN = "UPDATE events SET payload = json_set(payload, {}) WHERE kind = 'token'"
-DAMAGES: dict[str, Callable[[Path], None]] = {
-    "bit-flipped page (middle)": _bytes(0.5, 3000), "bit-flipped page (end)": _bytes(0.9, 3000),
-    "zeroed page": _bytes(0.6, 4096, 0), "truncated to half": _truncate(0.5), "truncated to 90%": _truncate(0.9),
-    "payload not JSON": _sql("UPDATE events SET payload = '{not json' WHERE id = 5"),
-    "payload an array": _sql("UPDATE events SET payload = '[1, 2]' WHERE id = 5"),
-    "payload a number": _sql("UPDATE events SET payload = '7' WHERE id = 6"),
-    "payload empty": _sql("UPDATE events SET payload = '' WHERE id = 7"),
-    "payload unknown field": _sql("UPDATE events SET payload = json_set(payload, '$.zzz', 1) WHERE id = 8"),
-    "unknown event kind": _sql("UPDATE events SET kind = 'mystery' WHERE id = 5"),
-    "token position a string": _sql(TOKEN.format("'$.position', 'x'")),
-    "token id a string": _sql(TOKEN.format("'$.token_id', '7'")),
-    "token logprob a list": _sql(TOKEN.format("'$.logprob', json('[1]')")),
-    "token top_logprobs a dict": _sql(TOKEN.format("'$.top_logprobs', json('{}')")),
-    "request prompt_ids strings": _sql("UPDATE events SET payload = json_set(payload, '$.prompt_ids', "
-                                       "json('[\"a\"]')) WHERE kind = 'request.added'"),
-    "req_id a number": _sql("UPDATE events SET req_id = 5 WHERE id = 9"),
-    "step not a number": _sql("UPDATE events SET step = 'x' WHERE id = 9"),
-    "model meta a string": _sql("UPDATE meta SET value = '\"tiny-random\"' WHERE key = 'model'"),
-    "engine meta a list": _sql("UPDATE meta SET value = '[1]' WHERE key = 'engine'"),
-    "meta value not JSON": _sql("UPDATE meta SET value = '{' WHERE key = 'engine'"),
-    "schema_version a string": _sql("UPDATE meta SET value = '\"2\"' WHERE key = 'schema_version'"),
-    "steps req_ids not JSON": _sql("UPDATE steps SET req_ids = '[oops'"),
-    "steps table dropped": _sql("DROP TABLE steps"),
-    "events table dropped": _sql("DROP TABLE events"),
-    "tensor bytes garbage": _sql("INSERT INTO tensors (name, step, req_id, data) VALUES ('x', 1, NULL, x'00ff')"),
-}
 
 
 def _readers() -> dict[str, Callable]:

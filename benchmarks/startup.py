@@ -38,9 +38,13 @@ def _env(**extra: str) -> dict[str, str]:
 
 def help_times(repeats: int) -> dict[str, float]:
     """Median wall seconds of `workbench [SUB] --help` per subcommand."""
-    from workbench.cli import SUBCOMMANDS
+    import argparse
 
-    subs = [""] + [f.__name__.removeprefix("_p_").replace("_", "-") for f in SUBCOMMANDS]
+    from workbench.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    subs = ["", *commands]
     out = {}
     for sub in subs:
         runs = []

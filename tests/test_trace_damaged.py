@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.trace_damage import DAMAGES as ALL_DAMAGES
 from workbench.cli import main as cli_main
 from workbench.trace.reader import TraceError, open_trace
 
@@ -28,36 +28,11 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _sql(*statements: str) -> Callable[[Path], None]:
-    def damage(path: Path) -> None:
-        with sqlite3.connect(path) as db:
-            for s in statements:
-                db.execute(s)
-    return damage
-
-
-def _flip_page(path: Path) -> None:
-    """Invert the bytes of one data page past the header pages (a bit-flipped disk page)."""
-    data = bytearray(path.read_bytes())
-    page = 4096
-    start = (len(data) // page - 2) * page
-    data[start + 8:start + 4000] = bytes(b ^ 0xFF for b in data[start + 8:start + 4000])
-    path.write_bytes(bytes(data))
-
-
-TOKEN = "UPDATE events SET payload = json_set(payload, {}) WHERE id = (SELECT min(id) FROM events WHERE kind = 'token')"
-DAMAGES: dict[str, Callable[[Path], None]] = {
-    "bit-flipped page": _flip_page,
-    "payload not JSON": _sql("UPDATE events SET payload = '{not json' WHERE id = 5"),
-    "payload not an object": _sql("UPDATE events SET payload = '[1, 2]' WHERE id = 5"),
-    "unknown event kind": _sql("UPDATE events SET kind = 'mystery' WHERE id = 5"),
-    "token position a string": _sql(TOKEN.format("'$.position', 'x'")),
-    "token id a string": _sql(TOKEN.format("'$.token_id', '7'")),
-    "token logprob a list": _sql(TOKEN.format("'$.logprob', json('[1]')")),
-    "model meta a string": _sql("UPDATE meta SET value = '\"tiny-random\"' WHERE key = 'model'"),
-    "engine meta a list": _sql("UPDATE meta SET value = '[1]' WHERE key = 'engine'"),
-    "step req_ids not JSON": _sql("UPDATE steps SET req_ids = '[oops' WHERE step = 2"),
-}
+# the issue's list; the sweep (benchmarks/hardening_sweep.py) runs the whole catalogue
+DAMAGES = {name: ALL_DAMAGES[name] for name in (
+    "bit-flipped page", "payload not JSON", "payload not an object", "unknown event kind", "token position a string",
+    "token id a string", "token logprob a list", "model meta a string", "engine meta a list",
+    "step req_ids not JSON")}
 
 
 @pytest.fixture(params=list(DAMAGES), scope="module")

@@ -23,6 +23,7 @@ import torch
 
 from workbench.engine import tracing, whatif
 from workbench.engine.config import CpuKernels, EngineConfig
+from workbench.engine.facts import EngineFacts
 from workbench.engine.output.finish import FinishResult
 from workbench.engine.output.output import RequestOutput, StepOutput
 from workbench.engine.output.postprocess import OutputProcessor
@@ -44,7 +45,7 @@ from workbench.engine.sched.scheduler import Scheduler
 from workbench.engine.spec.config import Target
 from workbench.engine.spec.worker import SpecWorker, make_spec_worker
 from workbench.engine.step import StepContext
-from workbench.engine.timing import ReqTiming, StepClock
+from workbench.engine.timing import ReqTiming
 from workbench.models.loader import LoadedModel, load_model
 from workbench.trace.recorder import MemorySink, Sink, Tracer
 
@@ -59,7 +60,7 @@ class StepFailed(RuntimeError):
         self.affected = affected
 
 
-class Engine:
+class Engine(EngineFacts):
     def __init__(self, model: str | LoadedModel = "smollm2", *, device: str = "auto", dtype: str | None = None,
                  max_batch_tokens: int = 2048, chunk_size: int = 512, kv_tokens: int | None = None,
                  max_running: int = 64, enable_mixed: bool = True, trace: str | None = None,
@@ -131,36 +132,6 @@ class Engine:
             all_sinks.append(TraceWriter(path))
         return tracing.make_tracer(level, all_sinks, lambda: tracing.run_meta(
             self.config.to_dict(), self.loaded.identity(), self.tokenizer, level))
-
-    # --- facts a server reads ----------------------------------------------------------------
-
-    @property
-    def step_no(self) -> int:
-        """The number of the last step that ran (0 before the first)."""
-        return self._last.step
-
-    @property
-    def clock(self) -> StepClock:
-        """The stage clock of the last step."""
-        return self._last.clock
-
-    def max_context_len(self) -> int:
-        return self.runner.max_context_len
-
-    def kv_total(self) -> int:
-        return self.memory.allocator.size
-
-    def kv_used(self) -> int:
-        return self.memory.allocator.used()
-
-    def running_ids(self) -> list[str]:
-        return [r.req_id for r in self.scheduler.running]
-
-    def waiting_ids(self) -> list[str]:
-        return [r.req_id for r in self.scheduler.waiting]
-
-    def token_text(self, token_id: int) -> str:
-        return self.outputs.token_text(token_id)
 
     # --- admission ---------------------------------------------------------------------------
 

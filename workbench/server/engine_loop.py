@@ -278,12 +278,16 @@ class EngineLoop:
 
     def _run(self) -> None:
         engine = self.engine
+        busy = False
         while not self._stop.is_set():
             if not engine.has_work():
+                if busy:  # just went idle: what the finished requests freed goes back to the OS
+                    busy = False
+                    trim_heap()
                 self._wake.wait(self.idle_wait)
                 self._wake.clear()
                 continue
-            t0 = time.perf_counter()
+            t0, busy = time.perf_counter(), True
             try:
                 outs = engine.step()
             except Exception as exc:  # a failure inside a step: end the affected requests, keep serving
@@ -360,3 +364,14 @@ def _step_logprobs(engine: Engine, req: Req, ids: list[int]) -> list[TokenLogpro
     text = engine.token_text
     return [TokenLogprob(t, text(t), lp, rk, [(i, text(i), v) for i, v in top[: params.top_logprobs]])
             for t, lp, rk, top in zip(ids, lps, ranks, tops)]
+
+
+def trim_heap() -> None:
+    """Return the C heap's free pages to the OS (glibc `malloc_trim`; a no-op elsewhere). Without it,
+    the arenas a burst of requests grew stay mapped after the burst ends."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -3,7 +3,7 @@
 Owns: validating an untrusted file (every failure is one `TraceError` with a one-line message),
 lazy access to steps, events, requests, timelines, tensors and pandas frames, and following a file
 that is still being written. Never writes: the file is opened read-only. Does not own the layout
-(format.py) or what events mean (events.py). pandas is imported only inside the `*_frame` methods.
+(format.py), what events mean (events.py) or the records it returns (records.py). pandas is imported only inside the `*_frame` methods.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 import urllib.parse
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from workbench.trace.events import (
@@ -28,6 +28,9 @@ from workbench.trace.events import (
     event_from_json,
 )
 from workbench.trace.format import FORMAT, STEP_COLUMNS, events_sql, field_type_problem, file_problem
+from workbench.trace.records import RequestInfo, StepInfo, Timeline, TraceError, _is_version, _step_info
+
+__all__ = ["RequestInfo", "StepInfo", "Timeline", "Trace", "TraceError", "open_trace"]
 
 if TYPE_CHECKING:
     import numpy as np
@@ -36,65 +39,6 @@ if TYPE_CHECKING:
 _EVENT_COLUMNS = "id, step, req_id, kind, t, payload"
 _CHUNK = 2000  # rows fetched per round trip while iterating
 _TOKEN_COLUMNS = ["req_id", "position", "step", "token_id", "text", "logprob", "rank", "source", "t"]
-
-
-class TraceError(ValueError):
-    """A file that cannot be read as a workbench trace; str(e) is a one-line message for users."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepInfo:
-    """The summary of one engine step (a row of the `steps` table)."""
-
-    step: int
-    mode: str | None
-    batch_size: int
-    num_tokens: int
-    output_tokens: int
-    forward_ms: float
-    kv_used: int | None
-    kv_total: int | None
-    req_ids: tuple[str, ...]
-    t_start: float | None
-    t_end: float | None
-    first_id: int | None
-    last_id: int | None
-    num_events: int
-    spec_proposed: int
-    spec_accepted: int
-
-
-@dataclass(frozen=True, slots=True)
-class RequestInfo:
-    """One request as recorded by its `request.added` and (when it finished) `request.finished` events."""
-
-    req_id: str
-    added: RequestAdded | None
-    finished: RequestFinished | None
-
-    @property
-    def arrival_step(self) -> int | None:
-        return self.added.step if self.added else None
-
-    @property
-    def finish_step(self) -> int | None:
-        return self.finished.step if self.finished else None
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.finished.finish_reason if self.finished else None
-
-
-@dataclass(frozen=True, slots=True)
-class Timeline:
-    """Everything recorded about one request, in order: its events, its tokens, the steps that ran it."""
-
-    req_id: str
-    events: list[Event]
-    tokens: list[TokenChosen]
-    steps: list[int]
-    added: RequestAdded | None
-    finished: RequestFinished | None
 
 
 def open_trace(path: str | os.PathLike[str]) -> Trace:
@@ -416,22 +360,3 @@ class Trace:
 
     def __repr__(self) -> str:
         return f"<Trace {self.name!r} schema={self.schema_version} events={self.num_events}>"
-
-
-# --- helpers ---------------------------------------------------------------------------------------
-
-
-def _is_version(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _step_info(row: tuple[Any, ...], name: str) -> StepInfo:
-    values = dict(zip(STEP_COLUMNS, row, strict=True))
-    try:
-        values["req_ids"] = tuple(json.loads(values["req_ids"] or "[]"))
-        for key in ("batch_size", "num_tokens", "output_tokens", "num_events", "spec_proposed", "spec_accepted"):
-            values[key] = int(values[key] or 0)
-        values["forward_ms"] = float(values["forward_ms"] or 0.0)
-        return StepInfo(**values)
-    except (TypeError, ValueError) as exc:
-        raise TraceError(f"{name}: corrupt step {values['step']} ({exc})") from None
