@@ -140,8 +140,7 @@ class Engine(EngineFacts):
 
     def add_request(self, prompt: Prompt | list[int], params: SamplingParams | None = None,
                     req_id: str | None = None, capture: Any = None) -> list[str]:
-        """Validate and queue a request (n > 1 queues n); returns the request ids. Thread-safe.
-        `capture` (True, a dict or a CaptureSpec) looks inside the forward for this request."""
+        """Validate and queue a request (n > 1 queues n; `capture`: capture_spec.py); returns its ids. Thread-safe."""
         arrival = time.perf_counter()
         params = params or SamplingParams()
         params.validate(self.vocab_size)
@@ -259,8 +258,7 @@ class Engine(EngineFacts):
         ctx.obs.forward_done(ctx, fb, forward_s, clock.sampled - clock.forward_end)
         ctx.obs.sampled(ctx, sample_reqs, logits, sample)
         if fb.capture is not None:
-            ctx.obs.captured(ctx, fb.capture.finish(logits, sample.next_token_ids,
-                                                    [len(r.output_ids) for r in sample_reqs]))
+            ctx.obs.captured(ctx, fb.capture.finish(logits, sample.next_token_ids, sample_reqs))
         self.output_stage.append(ctx, sample_reqs, sample)
         return [NewTokens(req, [tok]) for req, tok in zip(sample_reqs, sample.next_token_ids, strict=True)]
 

@@ -28,6 +28,7 @@ from workbench.trace.events import (
     event_from_json,
 )
 from workbench.trace.format import FORMAT, STEP_COLUMNS, events_sql, field_type_problem, file_problem
+from workbench.trace.inside import InsideReader
 from workbench.trace.records import RequestInfo, StepInfo, Timeline, TraceError, _is_version, _step_info
 
 __all__ = ["RequestInfo", "StepInfo", "Timeline", "Trace", "TraceError", "open_trace"]
@@ -46,7 +47,7 @@ def open_trace(path: str | os.PathLike[str]) -> Trace:
     return Trace(path)
 
 
-class Trace:
+class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
     """A read-only, lazy view of one trace file. Use as a context manager or call `close()`.
 
     `meta`, `schema_version`, `finished`, `num_steps`, `num_events`, `last_complete_step`; `steps()`,

@@ -108,9 +108,10 @@ class ForwardCapture:
                 w = torch.softmax(w, dim=-1)
             out.append(w.cpu())
 
-    def finish(self, logits: torch.Tensor, chosen: list[int], positions: list[int]) -> list[CaptureRecord]:
+    def finish(self, logits: torch.Tensor, chosen: list[int], reqs: list[Any]) -> list[CaptureRecord]:
         """The records of the rows to keep: `logits [sampled rows, vocab]` (what the sampler saw),
-        the chosen token and output position of every sampled row."""
+        the chosen token and the request of every sampled row (before the token is appended)."""
+        positions = [len(r.output_ids) for r in reqs]
         records = []
         if not self.residual:
             return records
