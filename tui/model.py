@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tui.fmt import fork_label
+from tui.inside import load_inside
 from tui.stepview import RequestData, StepView
 from tui.vocab import Vocab, load_tokenizer, tokenizer_folder
 from workbench.trace.checks import read_checks
@@ -42,6 +43,8 @@ class TraceModel:
         self._requests: list[RequestInfo] | None = None
         self.problem: str | None = None  # the last damage found while reading (one line, for the status line)
         self._checks: dict[str, dict[str, Any]] | None = None
+        self.has_capture = False  # set by the first step view read (a worker): the trace holds capture
+        self._capture_known = False
 
     @property
     def name(self) -> str:
@@ -91,8 +94,24 @@ class TraceModel:
                 self.problem, events = str(exc), []
             self.vocab.learn(events)
             view = StepView.build(step, info, events)
+            self._load_inside(view)
             _remember(self._views, step, view, _STEP_CACHE)
             return view
+
+    def _load_inside(self, view: StepView) -> None:
+        """The layers pane's data for the step's captured tokens (tensors read here, in the worker)."""
+        if not self._capture_known:
+            self.has_capture = any(True for _ in self.source.events(kind="capture", limit=1))
+            self._capture_known = bool(self.source.finished)  # a growing trace may get capture later
+        view.has_capture = self.has_capture
+        for event in view.captures:
+            try:
+                context = self.source.context_texts(event.req_id) if hasattr(self.source, "context_texts") else []
+                inside = load_inside(self.source, event, context)
+            except (TraceError, KeyError) as exc:
+                self.problem, inside = str(exc), None
+            if inside is not None:
+                view.inside[(inside.req_id, inside.position)] = inside
 
     def request(self, req_id: str) -> RequestData:
         """One request's prompt, tokens and finish record (one query on the request index)."""

@@ -10,8 +10,10 @@ drawing (the widgets do).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from workbench.trace.events import (
+    Captured,
     DetokState,
     EngineError,
     Event,
@@ -79,6 +81,9 @@ class StepView:
     kv: list[KVEvent] = field(default_factory=list)
     errors: list[EngineError] = field(default_factory=list)
     reqs: dict[str, ReqStep] = field(default_factory=dict)
+    captures: list[Captured] = field(default_factory=list)  # capture inside the forward (issue 18)
+    inside: dict[tuple[str, int], Any] = field(default_factory=dict)  # (req, position) -> tui.inside.InsideView
+    has_capture: bool = False  # the trace holds capture (the layers pane shows itself)
 
     @property
     def mode(self) -> str:
@@ -119,6 +124,8 @@ class StepView:
             self.errors.append(event)
         elif isinstance(event, KVEvent) and event.req_id is None:
             self.kv.append(event)
+        elif isinstance(event, Captured):
+            self.captures.append(event)
         elif event.req_id is not None:
             self._add_req(event)
 

@@ -1,8 +1,9 @@
 """Small terminals (under 30 rows, e.g. 80x24): the step's panes become tabs, one shown at a time.
 
 Owns: the pane bar (`PaneBar`: every pane's number and name, the shown one highlighted), the keys
-that pick a pane (`1`-`6`, which also focus it; a pane focused by a click is shown) and `z`, which maximizes the
-focused pane at any terminal size (Textual's own maximize; `z` or Escape again restores). The
+that pick a pane (`1`-`6`, which also focus it; a pane focused by a click is shown), `z`, which maximizes the
+focused pane at any terminal size (Textual's own maximize; `z` or Escape again restores), and `i`, which
+shows or hides the layers pane. The
 layout itself is tui.tcss's `.-compact` rules. Mixed into the main screen; draws no pane.
 """
 
@@ -22,7 +23,9 @@ COLUMN = {"tokens": "#col-left", "detok": "#col-left", "spec": "#col-right", "fi
 # the main screen adds these to its BINDINGS (Textual merges bindings from DOMNode classes only)
 COMPACT_BINDINGS = [Binding(key, f"show_pane('{pane_id}')", f"Focus the {name} pane (small terminals: show it)", show=False)
                     for key, pane_id, name in PANES] + [
-    Binding("z", "toggle_maximize", "Maximize the focused pane (toggle)", show=False)]
+    Binding("z", "toggle_maximize", "Maximize the focused pane (toggle)", show=False),
+    Binding("i", "toggle_layers", "Layers pane: inside the forward (toggle; shown by itself for captured traces)",
+            show=False)]
 
 
 class PaneBar(Static):
@@ -60,6 +63,9 @@ class CompactPanes:
             self.minimize()
         elif self.focused is not None:
             self.maximize(self.focused)
+
+    def action_toggle_layers(self) -> None:
+        self.query_one("#layers").toggle()
 
     def on_descendant_focus(self, event: events.DescendantFocus) -> None:
         pane_id = event.widget.id

@@ -28,6 +28,7 @@ from tui.widgets.cmdline import CommandLine
 from tui.widgets.detok import DetokPane
 from tui.widgets.finish import FinishPane
 from tui.widgets.latency import LatencyPane
+from tui.widgets.layers import LayersPane
 from tui.widgets.sampling import SamplingPane
 from tui.widgets.spec import SpecPane
 from tui.widgets.timeline import StepTimeline
@@ -98,6 +99,7 @@ class MainScreen(CompactPanes, ScreenWorkers):
                         yield SpecPane(id="spec")
                         yield FinishPane(id="finish")
                 yield LatencyPane(id="latency")  # shows itself for requests served over HTTP
+                yield LayersPane(id="layers")  # shows itself for traces with capture (`i`: always)
         yield CommandLine(id="cmdline")
         yield Footer()
 
@@ -244,12 +246,9 @@ class MainScreen(CompactPanes, ScreenWorkers):
         self.select(step, keep, self.sel.position if keep else None)
 
     def on_key(self, event: events.Key) -> None:
-        """Open the command line as the key arrives, and hand it the keys typed right behind.
-
-        Bindings run after every queued key has gone to the old focus, so `/the rocks` typed fast
-        would lose its text; `/`, `f` and `:` are handled here instead (their BINDINGS entries stay
-        for the footer and help).
-        """
+        """Open the command line as the key arrives and hand it the keys typed right behind: bindings run
+        after every queued key has gone to the old focus, so `/the rocks` typed fast would lose its text;
+        `/`, `f` and `:` are handled here instead (their BINDINGS entries stay for the footer and help)."""
         line = self.query_one(CommandLine)
         if line.has_class("open"):
             if not line.saw(event):  # it went to the old focus: replay it into the line, in order
