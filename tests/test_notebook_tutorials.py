@@ -22,10 +22,10 @@ def notebook_paths() -> list[Path]:
     return sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 
 
-def test_the_six_tutorials_are_there() -> None:
+def test_the_seven_tutorials_are_there() -> None:
     names = [p.stem for p in notebook_paths()]
     assert names == ["01_quickstart", "02_sampling", "03_speculative_decoding", "04_detokenizer",
-                     "05_replay_and_diff", "06_what_if"]
+                     "05_replay_and_diff", "06_what_if", "07_inside_the_forward"]
 
 
 @pytest.mark.slow

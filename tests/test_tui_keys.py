@@ -20,7 +20,8 @@ pytestmark = pytest.mark.anyio
 KEYS_TESTED = {"n", "j", "down", "p", "k", "up", "pagedown", "ctrl+d", "pageup", "ctrl+u", "g", "home", "G", "end",
                "l", "right", "h", "left", "r", "R", "slash", "right_square_bracket", "left_square_bracket", "f", "F",
                "colon", "y", "Y", "escape", "question_mark", "q",
-               "1", "2", "3", "4", "5", "6", "z"}  # pane keys and maximize: tests/test_tui_compact.py
+               "1", "2", "3", "4", "5", "6", "z",  # pane keys and maximize: tests/test_tui_compact.py
+               "i"}  # the layers pane: tests/test_tui_layers.py
 
 
 def test_every_binding_is_tested() -> None:
