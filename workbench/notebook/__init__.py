@@ -14,6 +14,7 @@ from workbench.notebook.figures import (
     stages_figure,
     tokens_figure,
 )
+from workbench.notebook.inside import InsideViewer, answer_layer, attention_figure, lens_figure
 from workbench.notebook.live import LiveView
 from workbench.notebook.tutorial import (
     acceptance_by_position,
@@ -30,8 +31,8 @@ from workbench.notebook.viewer import PANELS, TraceViewer
 from workbench.notebook.whatif import DiffView, InvarianceView
 
 __all__ = [
-    "PANELS", "DiffView", "EventSource", "InvarianceView", "LiveView", "RequestView", "TraceSource", "TraceViewer", "acceptance_by_position",
-    "acceptance_figure", "as_source", "batch_figure", "compare_figure", "detok_table", "divergence_figure",
-    "final_distribution", "finish_figure", "rejections", "show_token", "spec_figure", "stage", "stage_table",
+    "PANELS", "DiffView", "EventSource", "InsideViewer", "InvarianceView", "LiveView", "RequestView", "TraceSource", "TraceViewer", "acceptance_by_position",
+    "acceptance_figure", "answer_layer", "as_source", "attention_figure", "batch_figure", "compare_figure", "detok_table", "divergence_figure",
+    "final_distribution", "finish_figure", "lens_figure", "rejections", "show_token", "spec_figure", "stage", "stage_table",
     "stages_figure", "tokens_figure",
 ]
