@@ -92,10 +92,10 @@ def assert_last_lens_is_the_sampler(sink, rid) -> None:
                                            if t.req_id == rid and t.position == c.position)
 
 
-@pytest.mark.parametrize("family", ["tiny-random", "tiny-random:gemma2"])
+@pytest.mark.parametrize("family", ["tiny-random", "tiny-random:gemma2", "tiny-random:gpt_oss"])
 def test_captured_alone_and_in_a_chunked_mixed_batch_equal_transformers(family):
     loaded = load_model(family, device="cpu")
-    prompt = PROMPT * (3 if family.endswith("gemma2") else 1)  # past gemma2's 32-token window
+    prompt = PROMPT * (1 if family == "tiny-random" else 3)  # past the 32-token windows of gemma2, gpt_oss
     capture = {"attention_whole": True}
     alone = run_captured(loaded, capture, prompt=prompt)
     batched = run_captured(loaded, capture, others=True, prompt=prompt, chunk_size=4, max_batch_tokens=8)
