@@ -150,10 +150,10 @@ class ForwardCapture:
         logp = torch.log_softmax(logits, dim=-1).cpu()
         vals, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
         picked = logp[:, rec.token_id]
-        rec.tensors["lens_ids"] = ids
+        rec.tensors["lens_ids"] = ids.to(torch.int32)  # vocabularies fit; half the bytes of int64
         rec.tensors["lens_logprobs"] = vals
         rec.tensors["lens_chosen_logprob"] = picked
-        rec.tensors["lens_chosen_rank"] = (logp > picked[:, None]).sum(dim=-1) + 1
+        rec.tensors["lens_chosen_rank"] = ((logp > picked[:, None]).sum(dim=-1) + 1).to(torch.int32)
         rec.lens_ids = ids.tolist()
 
     def _attention(self, rec: CaptureRecord, i: int, spec: CaptureSpec) -> None:
@@ -164,7 +164,7 @@ class ForwardCapture:
             rec.tensors["attention"] = w
         else:
             vals, pos = w.topk(min(spec.attention_topk, w.shape[-1]), dim=-1)
-            rec.tensors["attention_positions"] = pos
+            rec.tensors["attention_positions"] = pos.to(torch.int32)
             rec.tensors["attention_weights"] = vals
 
 
