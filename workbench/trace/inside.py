@@ -86,7 +86,7 @@ class InsideReader:
     def capture(self, req_id: str, position: int) -> Captured:
         """The capture event of output `position` of `req_id`; KeyError saying what was captured."""
         caps = self.captures(req_id)
-        for e in caps:
+        for e in reversed(caps):  # a position recomputed after preemption: its latest capture
             if e.position == position:
                 return e
         raise KeyError(f"{req_id!r} position {position} was not captured (captured positions: "
@@ -132,7 +132,8 @@ class InsideReader:
         import pandas as pd
 
         frames = []
-        for event in self.captures(req_id):
+        positions = {e.position: e for e in self.captures(req_id)}  # the latest capture of each position
+        for event in sorted(positions.values(), key=lambda e: e.position):
             if "lens_ids" in event.tensors:
                 frame = self.logit_lens(req_id, event.position)
                 frame.insert(0, "position", event.position)
