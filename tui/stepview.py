@@ -150,6 +150,9 @@ class RequestData:
     tokens: list[TokenChosen]
     finished: RequestFinished | None
     check: dict | None = None  # `workbench check`'s result for this request (workbench/trace/checks.py)
+    # `workbench invariance`'s row for this request (workbench/trace/invariance_store.py); {} when the
+    # trace was measured but not this request, None when it was never measured
+    invariance: dict | None = None
 
     @classmethod
     def build(cls, req_id: str, events: list[Event]) -> RequestData:
