@@ -6,7 +6,8 @@
 - first token of `workbench generate "The capital of France is"` (warm cache): from starting the
   command until its first byte of output reaches the terminal (a pipe here).
 
-Usage: python benchmarks/startup.py [--repeats 3] [--no-cold] [--json OUT]
+Usage: python benchmarks/startup.py [--repeats 3] [--no-cold] [--json OUT] [--root CHECKOUT]
+(`--root` measures another checkout, e.g. the main branch, for a before/after under the same load).
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ def _env(**extra: str) -> dict[str, str]:
 
 def help_times(repeats: int) -> dict[str, float]:
     """Median wall seconds of `workbench [SUB] --help` per subcommand."""
-    from workbench.cli import SUBCOMMANDS
+    from workbench.cli import build_parser
 
-    subs = [""] + [f.__name__.removeprefix("_p_").replace("_", "-") for f in SUBCOMMANDS]
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    subs = [""] + list(sub.choices)  # the names a user types (not the parser functions' names)
     out = {}
     for sub in subs:
         runs = []
@@ -83,12 +86,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache load (about 20 s or more)")
     ap.add_argument("--json", default=None, metavar="OUT")
+    ap.add_argument("--root", default=None, metavar="CHECKOUT", help="the checkout to measure (default: this one)")
     args = ap.parse_args()
-    res: dict[str, object] = {}
+    global ROOT
+    ROOT = Path(args.root).resolve() if args.root else ROOT
+    res: dict[str, object] = {"load_average_before": os.getloadavg()}
+    print("load average before the run: " + " ".join(f"{x:.2f}" for x in os.getloadavg()), flush=True)
     print(f"--help (median of {args.repeats}, s):", flush=True)
     res["help"] = helps = help_times(args.repeats)
     for k, v in helps.items():
         print(f"  {k:<14} {v:.3f}")
+    print(f"  slowest: {max(helps, key=helps.get)} {max(helps.values()):.3f}", flush=True)
     if not args.no_cold:
         with tempfile.TemporaryDirectory() as cache:
             res["engine_cold"] = cold = engine_load(cache)
@@ -101,7 +109,10 @@ def main() -> None:
     runs = [first_token() for _ in range(args.repeats)]
     res["generate"] = gen = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     print(f"workbench generate, first token (median of {args.repeats}): {gen['first_token_s']:.2f} s "
-          f"(exits at {gen['exit_s']:.2f} s)")
+          f"(exits at {gen['exit_s']:.2f} s); each run: "
+          + ", ".join(f"{r['first_token_s']:.2f}" for r in runs))
+    res["load_average"] = os.getloadavg()
+    print("load average after the run: " + " ".join(f"{x:.2f}" for x in res["load_average"]))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
 
