@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -56,20 +57,27 @@ def help_times(repeats: int) -> dict[str, float]:
     return out
 
 
+def _child_cpu() -> float:
+    """CPU seconds (user + system) used so far by finished child processes."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def engine_load(cache: str | None) -> dict[str, float]:
-    """One fresh process: wall seconds, and the import / load split it prints."""
+    """One fresh process: wall seconds, its CPU seconds (less sensitive to other load on the machine
+    than wall time), and the import / load split it prints."""
     env = _env(**({"WORKBENCH_CACHE": cache} if cache else {}))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _child_cpu()
     done = subprocess.run([sys.executable, "-c", LOAD], env=env, check=True, capture_output=True, text=True,
                           timeout=600)
     wall = time.perf_counter() - t0
     imp, load = (float(x) for x in done.stdout.split()[-2:])
-    return {"wall_s": wall, "import_s": imp, "load_s": load}
+    return {"wall_s": wall, "cpu_s": _child_cpu() - c0, "import_s": imp, "load_s": load}
 
 
 def first_token() -> dict[str, float]:
     """Seconds from starting `workbench generate` until its first output byte, and until it exits."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _child_cpu()
     proc = subprocess.Popen([*WORKBENCH, "generate", "The capital of France is", "--temperature", "0",
                              "--max-new-tokens", "8"], env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL)
@@ -78,7 +86,7 @@ def first_token() -> dict[str, float]:
     first = time.perf_counter() - t0
     proc.stdout.read()
     proc.wait(timeout=600)
-    return {"first_token_s": first, "exit_s": time.perf_counter() - t0}
+    return {"first_token_s": first, "exit_s": time.perf_counter() - t0, "cpu_s": _child_cpu() - c0}
 
 
 def main() -> None:
@@ -105,11 +113,11 @@ def main() -> None:
     warm = [engine_load(None) for _ in range(args.repeats)]
     res["engine_warm"] = med = {k: statistics.median(w[k] for w in warm) for k in warm[0]}
     print(f"Engine('smollm2') warm (median of {args.repeats}): {med['wall_s']:.2f} s (imports "
-          f"{med['import_s']:.2f}, load {med['load_s']:.2f})", flush=True)
+          f"{med['import_s']:.2f}, load {med['load_s']:.2f}; CPU {med['cpu_s']:.2f} s)", flush=True)
     runs = [first_token() for _ in range(args.repeats)]
     res["generate"] = gen = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     print(f"workbench generate, first token (median of {args.repeats}): {gen['first_token_s']:.2f} s "
-          f"(exits at {gen['exit_s']:.2f} s); each run: "
+          f"(exits at {gen['exit_s']:.2f} s; CPU {gen['cpu_s']:.2f} s to exit); each run: "
           + ", ".join(f"{r['first_token_s']:.2f}" for r in runs))
     res["load_average"] = os.getloadavg()
     print("load average after the run: " + " ".join(f"{x:.2f}" for x in res["load_average"]))
