@@ -52,16 +52,27 @@ def save(text: str, out: Path, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--trace", default="traces/concurrent_chats.wbtrace")
+    ap.add_argument("--only", choices=["replay", "diff"], default=None, help="draw one of the two pictures")
     args = ap.parse_args()
-    replay = (workbench("replay", args.trace, "--override", "engine.chunk_size=8", "--compare", "tokens")
-              + "\n" + workbench("replay", args.trace, "--override", "engine.chunk_size=8", "--compare", "steps"))
+    if args.only != "diff":
+        replay_picture(args.trace)
+    if args.only != "replay":
+        diff_picture(args.trace)
+
+
+def replay_picture(trace: str) -> None:
+    replay = (workbench("replay", trace, "--override", "engine.chunk_size=8", "--compare", "tokens")
+              + "\n" + workbench("replay", trace, "--override", "engine.chunk_size=8", "--compare", "steps"))
     save(replay, ROOT / "docs" / "replay_report.svg", "workbench replay")
+
+
+def diff_picture(trace: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         fork = str(Path(tmp) / "fork.wbtrace")
-        text = workbench("fork", args.trace, "--at", "req-1:5", "--token", "rank:2", "--out", fork)
+        text = workbench("fork", trace, "--at", "req-1:5", "--token", "rank:2", "--out", fork)
         lines = text.replace(fork, "fork.wbtrace").splitlines()
         text = "\n".join([lines[0], "  ...", *lines[-2:]]) + "\n\n"  # fork prints the same diff: shown once
-        text += workbench("diff", args.trace, fork).replace(fork, "fork.wbtrace")
+        text += workbench("diff", trace, fork).replace(fork, "fork.wbtrace")
     save(text, ROOT / "docs" / "diff_report.svg", "workbench fork, then workbench diff")
 
 
