@@ -61,11 +61,11 @@ def environment() -> dict[str, str]:
 
 
 def default_path() -> Path:
-    from workbench.engine.run.cpu_kernels import cache_dir
-
+    """`~/.cache/workbench/fastpath/verdicts-<key>.json` (beside cpu_kernels.py's built kernels)."""
     env = environment()
     key = hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir().parent / "fastpath" / f"verdicts-{key}.json"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "workbench" / "fastpath" / f"verdicts-{key}.json"
 
 
 def _name(key: LinearKey) -> str:
