@@ -19,12 +19,17 @@ LLAMACPP_VENV ?= .venv-llamacpp
 say = @printf '\n\033[1m==> %s\033[0m\n' "$(1)"
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: setup peers demo test lint bench traces notebooks clean
+.PHONY: setup system-packages peers demo test lint bench traces notebooks clean
 
-$(STAMP): pyproject.toml
+# The browser and terminal tests fail (they do not skip) without these, so setup installs them and
+# `make test` checks they are still there.
+system-packages:
 	$(call say,system packages: chromium and tmux for the browser and terminal tests)
 	command -v chromium >/dev/null && command -v tmux >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq chromium tmux >/dev/null)
+	command -v chromium >/dev/null && command -v tmux >/dev/null
+
+$(STAMP): pyproject.toml | system-packages
 	$(call say,project virtual environment $(VENV))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --progress-bar on -q --upgrade pip
@@ -57,7 +62,7 @@ demo: $(STAMP)
 	$(call say,recording the demo trace and opening the TUI)
 	$(PY) -m workbench.cli demo
 
-test: $(STAMP) peers
+test: system-packages $(STAMP) peers
 	$(call say,test suite)
 	$(PY) -m pytest -q --timeout=900 tests
 

@@ -164,3 +164,19 @@ def llamacpp_server():
 
     with LlamaCppServer() as server:
         yield server
+
+
+NEEDS_CHROMIUM = ("needs Debian's chromium, which `make test` installs (apt-get install -y chromium): "
+                  "a browser check must fail, not skip, when it cannot run")
+
+
+@pytest.fixture
+def chromium() -> str:
+    """The Chromium binary a browser test drives; the test FAILS with the reason when there is none."""
+    import shutil
+
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        pytest.fail(NEEDS_CHROMIUM)
+    return found
+

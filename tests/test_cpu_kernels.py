@@ -134,16 +134,22 @@ def test_packed_linears_give_exactly_what_f_linear_gives(rows, monkeypatch):
     assert cpu_kernels.pack_linears(packed, checks=checks) > 0
     assert all(isinstance(m.forward, cpu_kernels.PackedLinear) for m in packed)
     x = torch.randn(2, rows, 96) * 4
-    with torch.inference_mode():
-        assert torch.equal(packed(x), plain(x))
     n = 2 * rows
+    with torch.inference_mode():
+        ready = [m.forward.packed is not None for m in packed]  # packed at load by the check itself
+        assert torch.equal(packed(x), plain(x))
+        first = calls.count(n)
+        assert torch.equal(packed(x * 2), plain(x * 2))
     verdicts = {(k[0], k[1]): v.identical for k, v in checks.linear.items() if k[3] == n}
     if not cpu_kernels.PACKED_MIN_ROWS <= n <= cpu_kernels.PACKED_MAX_ROWS:
         assert not verdicts and n not in calls  # outside the packed range nothing is packed, nothing checked
     else:
         assert set(verdicts) == {(200, 96), (64, 200)}  # both shapes checked at exactly these rows
-        # each shape's check computed once at n rows; the forward used the packed GEMM iff identical
-        assert calls.count(n) == len(verdicts) + sum(verdicts.values())
+        # each shape's check computed once at n rows; the first forward used the packed GEMM iff
+        # identical and already packed (packing may never pay off), the second iff identical
+        ok = [verdicts[(m.out_features, m.in_features)] for m in packed]
+        assert first == len(verdicts) + sum(o and r for o, r in zip(ok, ready, strict=True))
+        assert calls.count(n) == first + sum(ok)
     with torch.inference_mode():
         assert torch.equal(packed(x[:, ::2]), plain(x[:, ::2]))  # a strided input is made contiguous first
 
@@ -195,6 +201,53 @@ def test_packing_respects_its_memory_budget_and_runs_once():
     assert first > 0 and cpu_kernels.pack_linears(model) == first  # a second Engine on the same model
     assert [m.forward for m in model] == forwards
     assert cpu_kernels.pack_linears(_linear_stack(2).double()) == 0  # float64: not packed
+
+
+@pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
+def test_a_second_load_reuses_the_verdicts_on_disk_and_packs_only_what_runs(tmp_path, monkeypatch):
+    from workbench.engine.run.verdicts import VerdictStore
+
+    calls = _count_packed_calls(monkeypatch)
+
+    def stack():
+        torch.manual_seed(5)
+        return torch.nn.Sequential(*[torch.nn.Linear(96, 96) for _ in range(3)]).eval()
+
+    first = FastPathChecks(VerdictStore(tmp_path / "verdicts.json"))
+    assert cpu_kernels.pack_linears(stack(), checks=first) > 0
+    assert len(calls) == 2  # one shape, checked at 16 and 32 rows on its first layer
+    assert {s for s in first.report()["packed_linear"]["verdicts"]} == {"checked in this process"}
+    second = FastPathChecks(VerdictStore(tmp_path / "verdicts.json"))  # the next process
+    model, plain = stack(), stack()
+    cpu_kernels.pack_linears(model, checks=second)
+    assert len(calls) == 2  # nothing computed: the verdicts came from the file
+    assert not any(m.forward.packed is not None for m in model)  # and nothing packed yet
+    sources = second.report()["packed_linear"]["verdicts"]
+    assert list(sources) == [s for s in sources if s.startswith("cached verdict from 20")]
+    assert sum(len(v) for v in sources.values()) == 2
+    x = torch.randn(16, 96)
+    with torch.inference_mode():
+        one = torch.randn(1, 96)
+        assert torch.equal(model(one), plain(one))  # 1 row: F.linear, never packed
+        assert torch.equal(model(x), plain(x))  # first call at 16 rows: F.linear, nothing packed
+        assert not any(m.forward.packed is not None for m in model) and len(calls) == 2
+        assert torch.equal(model(x), plain(x))  # second: packed (where identical), bit for bit the same
+    identical = second.linear[(96, 96, True, 16, torch.get_num_threads())].identical
+    assert all((m.forward.packed is not None) == identical for m in model)
+    (tmp_path / "verdicts.json").write_text("{not json")  # a damaged file: ignored, checked again
+    third = FastPathChecks(VerdictStore(tmp_path / "verdicts.json"))
+    cpu_kernels.pack_linears(stack(), checks=third)
+    assert len(calls) == 4 + 3 * identical
+
+
+def test_the_verdict_file_is_keyed_by_what_the_verdicts_depend_on(monkeypatch):
+    from workbench.engine.run import verdicts
+
+    here = verdicts.default_path()
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert verdicts.default_path() != here and verdicts.environment()["torch"].endswith("+other")
+    monkeypatch.setenv("WORKBENCH_FASTPATH_CACHE", "0")
+    assert verdicts.default_store() is None
 
 
 def _off_attention(shift: float, real=cpu_kernels._unchecked_attention):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -229,3 +231,51 @@ def test_pickled_weights_are_refused_without_unpickling(tiny, tmp_path, monkeypa
     monkeypatch.setattr(torch, "load", refuse)
     with pytest.raises(ValueError, match=r"model: .*no \.safetensors weights"):
         load_model(str(folder), device="cpu")
+
+
+def _garbage_pool(engine: Engine) -> None:
+    """Every KV slot but the padding row holds NaN now, and every freed slot gets NaN again: what
+    `torch.empty` may hand out, at its worst. A slot read before it is written poisons the logits."""
+    kv = engine.memory.kv
+    for t in (*kv.k, *kv.v):
+        t[1:] = float("nan")
+    free = engine.memory.allocator.free
+
+    def free_and_poison(slots):
+        free(slots)
+        for t in (*kv.k, *kv.v):
+            t[slots.to(torch.int64)] = float("nan")
+
+    engine.memory.allocator.free = free_and_poison
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(chunk_size=16, kv_tokens=260, max_batch_tokens=64),
+                                dict(spec="ngram:k=3"), dict(prefix_cache=True), dict(torch_attention=True)],
+                         ids=["batched", "chunked+preempting", "speculative", "prefix-cache", "torch-attention"])
+def test_a_garbage_filled_kv_pool_gives_the_same_tokens_and_logprobs(tiny, kw):
+    # The pool is allocated uninitialised (memory.py): this proves no slot is read before it is written,
+    # through padding, chunked prefill, preemption (slots freed and reused), verify and cached prefixes.
+    # Without the native kernels, padded decode rows gather row 0 (masked): it must stay finite.
+    from workbench.engine.run import cpu_kernels
+
+    kw = dict(kw)
+    off = cpu_kernels.disabled(tiny.model) if kw.pop("torch_attention", False) else contextlib.nullcontext()
+    params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True, logprobs=True, top_logprobs=3)
+    prompts = [*PROMPTS, list(range(10, 130)),
+               [{"role": "user", "content": "Tell me about cats."}], [{"role": "user", "content": "And dogs?"}]]
+
+    def run(poison: bool):
+        engine = Engine(tiny, trace_level="off", **kw)
+        if poison:
+            _garbage_pool(engine)
+        outs = engine.generate(prompts, params) + engine.generate(prompts[-2:], params)  # the cache is used
+        return ([o.token_ids for o in outs], [[(t.logprob, [(i, lp) for i, _, lp in t.top_logprobs])
+                                               for t in o.logprobs] for o in outs],
+                sum(o.timings["preemptions"] for o in outs))
+
+    with off:
+        clean, poisoned = run(False), run(True)
+    assert poisoned[0] == clean[0] and poisoned[1] == clean[1]
+    assert not any(lp != lp for seq in poisoned[1] for lp, _ in seq)  # no NaN anywhere
+    if "kv_tokens" in kw:
+        assert poisoned[2] > 0  # slots really were freed and reused

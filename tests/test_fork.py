@@ -149,3 +149,30 @@ def test_token_is_an_id_one_tokens_text_or_a_rank(parent, tiny):
     assert resolve_token("rank:2", tiny.tokenizer, recorded) == runner_up[0]
     with pytest.raises(ValueError, match="give the text of one token"):
         resolve_token(" the lighthouse keeper", tiny.tokenizer, recorded)
+
+
+def test_fork_of_a_speculative_run_forces_inside_a_verified_run(tiny, tmp_path):
+    """The parent speculated (a draft model equal to the target, so greedy verify steps commit k+1
+    tokens at once); the fork speculates too, forces a token in the middle of such a run, and every
+    other request, sampled ones included, comes out as recorded."""
+    path, out = tmp_path / "spec.wbtrace", tmp_path / "spec-fork.wbtrace"
+    params = [SamplingParams(temperature=0, max_new_tokens=N, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.8, seed=7 + i, max_new_tokens=N, ignore_eos=True) for i in range(4)]
+    with Engine(tiny, trace=str(path), spec="draft:tiny-random:k=3") as engine:
+        engine.generate(PROMPTS[:4], params)
+    with open_trace(path) as t:
+        tokens = {r.req_id: [e.token_id for e in t.timeline(r.req_id).tokens] for r in t.requests()}
+        assert [e.source for e in t.timeline("req-1").tokens][1:4] == ["spec_accept"] * 3  # a verified run
+        prompt_ids = t.timeline("req-1").added.prompt_ids
+    result = workbench.fork(str(path), "req-1:2", token="rank:2", out=str(out))
+    with open_trace(out) as f:
+        forked = {r.req_id: [e.token_id for e in f.timeline(r.req_id).tokens] for r in f.requests()}
+        sources = [e.source for e in f.timeline("req-1").tokens]
+        assert f.meta["engine"]["spec"] is not None and sum(s.spec_proposed for s in f.steps()) > 0
+    assert forked["req-1"][:2] == tokens["req-1"][:2] and forked["req-1"][2] == result.branch.token
+    assert result.branch.token != tokens["req-1"][2] and sources[2] == "forced" and sources.count("forced") == 1
+    assert all(forked[r] == tokens[r] for r in tokens if r != "req-1")
+    with Engine(tiny, trace_level="off") as fresh:
+        (cont,) = fresh.generate([prompt_ids + forked["req-1"][:3]],
+                                 SamplingParams(temperature=0, max_new_tokens=N - 3, ignore_eos=True))
+    assert forked["req-1"][3:] == cont.token_ids

@@ -12,7 +12,6 @@ import httpx
 import pytest
 from textual.worker import WorkerState
 
-from tests.test_server_page import CHROMIUM
 from tests.test_tui_panes import SIZE, settle
 from tui.app import WorkbenchApp
 from tui.widgets.latency import LatencyPane
@@ -133,8 +132,7 @@ BLUE_PIXELS = """async (src) => {
 }"""
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="LIVE PAGE WATERFALL NOT CHECKED: chromium is not installed")
-def test_live_page_draws_the_waterfall_when_a_stream_ends(page_server, browser):
+def test_live_page_draws_the_waterfall_when_a_stream_ends(chromium, page_server, browser):
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     page.goto(page_server.url + "/")
     page.wait_for_function("document.getElementById('status').textContent === 'live'", timeout=60_000)

@@ -12,9 +12,13 @@ import pytest
 
 from tests.test_notebook_data import write_scenario
 from workbench.notebook import TraceViewer
-from workbench.notebook.html import find_chromium, screenshot
+from workbench.notebook.html import screenshot
 
-pytestmark = pytest.mark.skipif(find_chromium() is None, reason="chromium not installed (apt-get install -y chromium)")
+
+@pytest.fixture(autouse=True)
+def _needs_chromium(chromium: str) -> None:  # every test here drives the browser: fails without one
+    pass
+
 
 # colours only plotly draws on this page: batch bars of the selected request, the KV line, the spec
 # strip's accepted and rejected cells

@@ -13,6 +13,7 @@ import pytest
 
 from workbench.trace import events as ev
 from workbench.trace.export import export_perfetto, export_tokens
+from workbench.trace.format import shown_mode
 from workbench.trace.reader import open_trace
 from workbench.trace.store import TraceWriter
 from workbench.trace.synth import write_synthetic_trace
@@ -76,7 +77,9 @@ def test_perfetto_export_follows_the_trace_event_format(synthetic: Path, tmp_pat
     assert lanes == {f"request {r.req_id}" for r in requests}  # one lane per request
     step_slices = [e for e in events if e["ph"] == "X" and e["tid"] == 0]
     assert len(step_slices) == len(steps)
-    assert [e["name"] for e in step_slices] == [s.mode for s in steps]
+    # a step that verified drafts is TARGET_VERIFY even where the stored summary says DECODE
+    assert [e["name"] for e in step_slices] == [shown_mode(s.mode, s.spec_proposed) for s in steps]
+    assert any(s.spec_proposed for s in steps) and "TARGET_VERIFY" in {e["name"] for e in step_slices}
     assert all(e["args"]["batch_size"] == s.batch_size for e, s in zip(step_slices, steps))
     request_slices = [e for e in events if e["ph"] == "X" and e["tid"] > 0]
     assert {"queued", "prefill", "decode"} <= {e["name"] for e in request_slices}

@@ -102,6 +102,28 @@ async def test_engine_verify_rows_are_not_counted_as_requests() -> None:
         assert f"TARGET_VERIFY  batch_size {row[2]} ({row[3]} rows)" in batch
 
 
+async def test_a_recorded_verify_step_is_not_labelled_decode_anywhere(tmp_path: Path) -> None:
+    """traces/speculative.wbtrace was written when the step summary still said DECODE for a verify
+    step: the Steps pane, the ForwardBatch pane's subtitle and the Perfetto export all say verify."""
+    path = ROOT / "traces" / "speculative.wbtrace"
+    with open_trace(path) as trace:
+        steps = trace.steps()
+        verify = [s.step for s in steps if s.spec_proposed]
+        export_perfetto(trace, str(tmp_path / "perfetto.json"))
+    assert verify and any(s.mode == "DECODE" for s in steps if s.spec_proposed)  # the stored summary
+    slices = {e["args"]["step"]: e["name"] for e in json.loads((tmp_path / "perfetto.json").read_text())["traceEvents"]
+              if e.get("cat") == "step"}
+    assert all(slices[n] == "TARGET_VERIFY" for n in verify)
+    assert {slices[s.step] for s in steps if not s.spec_proposed} <= {"EXTEND", "DECODE", "MIXED", "IDLE"}
+    app = WorkbenchApp(str(path), step=verify[0], request="req-1")
+    async with app.run_test(size=(160, 48)) as pilot:
+        await settle(pilot)
+        rows = {r.split()[0]: r.split()[1] for r in app.main.timeline.visible_rows() if r.split()[0].isdigit()}
+        assert all(rows[str(n)] == "VERIFY" for n in verify if str(n) in rows) and str(verify[0]) in rows
+        assert "DECODE" in rows.values()  # the plain decode steps keep their label
+        assert str(app.main.query_one("#batch").border_subtitle) == f"step {verify[0]} · TARGET_VERIFY"
+
+
 async def test_a_successful_filter_clears_no_match(example_trace: Path) -> None:
     app = WorkbenchApp(str(example_trace))
     async with app.run_test(size=(160, 48)) as pilot:

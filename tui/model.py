@@ -19,6 +19,7 @@ from tui.stepview import RequestData, StepView
 from tui.vocab import Vocab, load_tokenizer, tokenizer_folder
 from workbench.trace.checks import read_checks
 from workbench.trace.events import Event
+from workbench.trace.invariance_store import read_invariance
 from workbench.trace.live import TraceView
 from workbench.trace.reader import RequestInfo, StepInfo, TraceError, open_trace
 
@@ -43,6 +44,7 @@ class TraceModel:
         self._requests: list[RequestInfo] | None = None
         self.problem: str | None = None  # the last damage found while reading (one line, for the status line)
         self._checks: dict[str, dict[str, Any]] | None = None
+        self._invariance: tuple[dict[str, Any] | None, dict[str, dict[str, Any]]] | None = None
         self.has_capture = False  # set by the first step view read (a worker): the trace holds capture
         self._capture_known = False
 
@@ -76,6 +78,13 @@ class TraceModel:
             if self._checks is None:
                 self._checks = read_checks(self.source)
             return self._checks
+
+    def invariance(self) -> tuple[dict[str, Any] | None, dict[str, dict[str, Any]]]:
+        """The stored batch-invariance run: (summary, rows by request); (None, {}) when never measured."""
+        with self._lock:
+            if self._invariance is None:
+                self._invariance = read_invariance(self.source)
+            return self._invariance
 
     def steps(self) -> list[StepInfo]:
         with self._lock:
@@ -125,6 +134,8 @@ class TraceModel:
             self.vocab.learn(events)
             data = RequestData.build(req_id, events)
             data.check = self.checks().get(req_id)
+            summary, rows = self.invariance()
+            data.invariance = rows.get(req_id, {} if summary is not None else None)
             _remember(self._reqs, req_id, data, _REQ_CACHE)
             return data
 
@@ -165,7 +176,7 @@ class TraceModel:
     def invalidate_tail(self, steps: set[int] | None = None, req_ids: set[str] | None = None) -> None:
         """Forget cached data that new events may have changed (all of it when not told what)."""
         with self._lock:
-            self._requests = self._checks = None
+            self._requests = self._checks = self._invariance = None
             if steps is None:
                 self._views.clear()
             else:

@@ -30,6 +30,7 @@ from workbench.trace.events import (
     SpecVerify,
     TokenChosen,
 )
+from workbench.trace.format import shown_mode
 from workbench.trace.reader import StepInfo
 
 
@@ -87,11 +88,16 @@ class StepView:
 
     @property
     def mode(self) -> str:
+        """The step's mode: TARGET_VERIFY when the target's forward verified drafts (the scheduler
+        still calls such a step DECODE), else the schedule's, the batch's or the summary's."""
+        if any(b.forward_mode == "TARGET_VERIFY" and getattr(b, "model", "target") == "target"
+               for b in self.batches):
+            return "TARGET_VERIFY"
         if self.schedule is not None:
             return self.schedule.mode
         if self.batches:
             return self.batches[-1].forward_mode
-        return self.info.mode if self.info and self.info.mode else "IDLE"
+        return (shown_mode(self.info.mode, self.info.spec_proposed) if self.info else None) or "IDLE"
 
     def req_order(self) -> list[str]:
         """Requests in batch order (the target forward's order), then any others that had events."""
@@ -151,6 +157,9 @@ class RequestData:
     tokens: list[TokenChosen]
     finished: RequestFinished | None
     check: dict | None = None  # `workbench check`'s result for this request (workbench/trace/checks.py)
+    # `workbench invariance`'s row for this request (workbench/trace/invariance_store.py); {} when the
+    # trace was measured but not this request, None when it was never measured
+    invariance: dict | None = None
 
     @classmethod
     def build(cls, req_id: str, events: list[Event]) -> RequestData:

@@ -32,10 +32,10 @@ class BranchPoint:
     recorded_text: str
     changes: dict[str, Any] = field(default_factory=dict)
 
-    def to_meta(self, parent: str, spec_disabled: bool) -> dict[str, Any]:
+    def to_meta(self, parent: str) -> dict[str, Any]:
         return {"parent": parent, "req_id": self.req_id, "position": self.position, "token": self.token,
                 "token_text": self.token_text, "recorded_token": self.recorded_token,
-                "recorded_text": self.recorded_text, "set": self.changes, "spec_disabled": spec_disabled}
+                "recorded_text": self.recorded_text, "set": self.changes}
 
 
 @dataclass(slots=True)
@@ -124,13 +124,12 @@ def fork(trace: str, at: str | tuple[str, int], *, token: int | str | None = Non
         recorded = _recorded_token(parent, rid, position)
         requests = recorded_requests(parent)
         cfg = dict(parent.meta.get("engine") or {})
-        spec_disabled = cfg.get("spec") is not None
-        engine, sink = build_engine(parent, cfg, device, out, {"spec": None} if spec_disabled else None)
+        engine, sink = build_engine(parent, cfg, device, out, None)  # speculative as recorded, if it was
         num_steps = parent.num_steps
     forced = resolve_token(token, engine.tokenizer, recorded)
     branch = BranchPoint(rid, position, forced, engine.outputs.token_text(forced) if forced is not None else None,
                          recorded.token_id, recorded.text, changes)
-    engine.tracer.set_meta("fork", branch.to_meta(str(trace), spec_disabled))
+    engine.tracer.set_meta("fork", branch.to_meta(str(trace)))
     state = {"forced": forced is None, "changed": not changes}
 
     def at_branch(eng) -> None:

@@ -68,6 +68,31 @@ class InvarianceReport:
     def max_delta(self) -> float:
         return max((r.max_delta for r in self.requests), default=0.0)
 
+    def summary(self) -> dict[str, Any]:
+        """The run's facts for the trace's meta (trace/invariance_store.py)."""
+        return {"device": self.device, "dtype": self.dtype, "seconds": round(self.seconds, 3),
+                "max_delta": self.max_delta, "requests": len(self.requests),
+                "identical": sum(r.identical for r in self.requests),
+                "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One JSON-able row per request, as trace/invariance_store.py stores it."""
+        out = []
+        for r in self.requests:
+            sizes = r.batch_sizes + [0] * len(r.positions)
+            out.append({"req_id": r.req_id, "len_batched": r.len_batched, "len_alone": r.len_alone,
+                        "first_diff": r.positions[r.first_diff].position if r.first_diff is not None else None,
+                        "seeded": r.seeded, "max_delta": r.max_delta,
+                        "verdict": None if r.verdict is None else {"near_tie": r.verdict.near_tie,
+                                                                    "margin": r.verdict.margin,
+                                                                    "text": r.verdict.describe()},
+                        "positions": [{"position": p.position, "token_batched": p.token_batched,
+                                       "token_alone": p.token_alone, "text_batched": p.text_batched,
+                                       "text_alone": p.text_alone, "logprob_batched": p.logprob_batched,
+                                       "logprob_alone": p.logprob_alone, "delta": p.delta, "batch_size": b}
+                                      for p, b in zip(r.positions, sizes)]})
+        return out
+
     def request(self, req_id: str) -> RequestDrift:
         return next(r for r in self.requests if r.req_id == req_id)
 
@@ -197,6 +222,11 @@ def main(args: Any) -> int:
     print(report.describe())
     for rid in args.request or []:
         print(f"\n{rid}, per position:\n{report.positions_table(rid)}")
+    if not args.no_store:
+        from workbench.trace.invariance_store import store_invariance
+
+        store_invariance(args.trace, report.summary(), report.rows())
+        print(f"stored in {args.trace} (workbench tui {args.trace} shows it in the Tokens pane)", file=sys.stderr)
     return 0
 
 
@@ -206,3 +236,5 @@ def add_invariance_args(p: Any) -> None:
                    help="only this request (repeatable); also prints its per-position table")
     p.add_argument("--tolerance", type=float, default=1e-3, help="top-2 margin below which a flip is a near tie")
     p.add_argument("--device", default=None)
+    p.add_argument("--no-store", action="store_true",
+                   help="do not store the result in the trace (by default the TUI shows it for each request)")

@@ -18,6 +18,7 @@ from textual.strip import Strip
 
 from tui.fmt import ms
 from tui.nav import Navigator
+from workbench.trace.format import shown_mode
 from workbench.trace.reader import StepInfo
 
 HEADER = f"{'step':>6} {'mode':<7} {'bs':>3} {'tok':>5} {'out':>4} {'ms':>7} {'spec':>5}"
@@ -31,7 +32,8 @@ def row_text(info: StepInfo, show_times: bool = True, not_recorded: frozenset[st
     `chunk` and `—` for what it did not report, never zeros."""
     if "forward" in not_recorded and info.mode is None:
         return f"{info.step:>6} {'chunk':<7} {'—':>3} {'—':>5} {info.output_tokens:>4} {'—':>7} {'':>5}"
-    mode = _MODES.get(info.mode or "", info.mode or "IDLE")[:7]
+    mode = shown_mode(info.mode, info.spec_proposed) or "IDLE"
+    mode = _MODES.get(mode, mode)[:7]
     spec = f"{info.spec_accepted}/{info.spec_proposed}" if info.spec_proposed else ""
     return (f"{info.step:>6} {mode:<7} {info.batch_size:>3} {info.num_tokens:>5} {info.output_tokens:>4} "
             f"{ms(info.forward_ms, show_times):>7} {spec:>5}")

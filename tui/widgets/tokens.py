@@ -3,7 +3,8 @@
 Owns: drawing the prompt line, the output as chips coloured by probability band (tokens produced
 after the selected step dimmed, the selected token reversed, search matches underlined, checked
 divergences marked), the selected token's id, logprob, rank and source, its top alternatives with
-bars, and, when the trace was checked, the reference beside each token (widgets/reference.py). Does not own
+bars, when the trace was checked, the reference beside each token (widgets/reference.py), and when
+its batch invariance was measured, the drift alone vs batched (widgets/invariance.py). Does not own
 loading the request (the screen's workers do).
 """
 
@@ -17,6 +18,7 @@ from rich.text import Text
 from tui.fmt import BRANCH_MARK, bar, legend, num, p_style, quote, visible
 from tui.stepview import RequestData
 from tui.widgets.base import Pane, PaneContext
+from tui.widgets.invariance import invariance_line, invariance_subtitle, invariance_table
 from tui.widgets.reference import (
     check_subtitle,
     chip_style,
@@ -103,14 +105,14 @@ def draw_tokens(ctx: PaneContext) -> RenderableType:
         parts.append(Text("no token of this request in this step; h/l selects one", style="dim"))
     else:
         parts.append(token_detail(data.tokens[i]))
-        ref = reference_line(data, data.tokens[i].position)
-        if ref is not None:
-            parts.append(ref)
+        for line in (reference_line(data, data.tokens[i].position), invariance_line(data, data.tokens[i].position)):
+            if line is not None:
+                parts.append(line)
         if data.tokens[i].top_logprobs:
             parts.append(alternatives(data.tokens[i]))
-    table = reference_table(data, ctx.selection.position)
-    if table is not None:
-        parts.append(table)
+    for table in (reference_table(data, ctx.selection.position), invariance_table(data, ctx.selection.position)):
+        if table is not None:
+            parts.append(table)
     return Group(*parts)
 
 
@@ -126,7 +128,7 @@ class TokensPane(Pane):
             return ""
         done = sum(1 for t in data.tokens if ctx.selection.step is None or t.step <= ctx.selection.step)
         state = f" · {data.finished.finish_reason}" if data.finished and data.finished.finish_reason else ""
-        return f"{data.req_id} · {done}/{len(data.tokens)} tokens{state}{check_subtitle(data)}"
+        return f"{data.req_id} · {done}/{len(data.tokens)} tokens{state}{check_subtitle(data)}{invariance_subtitle(data)}"
 
     def show(self, ctx: PaneContext) -> None:
         super().show(ctx)

@@ -382,7 +382,7 @@ class Engine(EngineFacts):
     def force_token(self, req_id: str, position: int, token: int) -> None:
         """`token` becomes output `position` (0-based) of `req_id`, not the sampler's draw (traced as "forced")."""
         req = whatif.live(self.reqs, req_id, "force_token")
-        whatif.force_token(req, position, token, self.vocab_size, speculative=self.spec is not None)
+        whatif.force_token(req, position, token, self.vocab_size)
 
     def update_params(self, req_id: str, **changes: Any) -> SamplingParams:
         """Change a queued or running request's sampling parameters for its following steps."""

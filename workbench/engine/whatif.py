@@ -32,11 +32,10 @@ def live(reqs: dict[str, Req], req_id: str, what: str) -> Req:
     return req
 
 
-def force_token(req: Req, position: int, token: int, vocab_size: int, *, speculative: bool) -> None:
+def force_token(req: Req, position: int, token: int, vocab_size: int) -> None:
+    """With speculative decoding on, the verify step that reaches `position` keeps the accepted
+    drafts before it, puts the forced token there and drops the rest (spec/worker.py)."""
     req_id = req.req_id
-    if speculative:
-        raise ValueError("force_token: not supported with speculative decoding on (a verify step commits several "
-                         "positions at once); build the engine with spec=None")
     if not isinstance(position, int) or position < len(req.output_ids):
         raise ValueError(f"force_token: position must be an int >= {len(req.output_ids)} (the next output position "
                          f"of {req_id!r}), got {position!r}")

@@ -225,7 +225,7 @@ class TokenChosen(Event):
     logprob: float | None = None
     rank: int | None = None
     top_logprobs: list[list[Any]] = field(default_factory=list)  # [[token_id, logprob, text], ...]
-    source: str = "sample"  # sample | spec_accept | spec_recover | spec_bonus
+    source: str = "sample"  # sample | forced | spec_accept | spec_recover | spec_bonus
 
 
 # --- speculative decoding --------------------------------------------------------------------

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.trace.events import RequestAdded, RequestFinished, TokenChosen
+from workbench.trace.format import shown_mode
 from workbench.trace.reader import StepInfo, Trace, open_trace
 
 ENGINE_PID = 1
@@ -122,7 +123,7 @@ def _step_slices(steps: list[StepInfo], t0: float) -> list[dict[str, Any]]:
         following = next((n.t_start for n in steps[i + 1:] if n.t_start is not None), None)
         if following is not None:
             end = min(end, _us(following, t0))
-        out.append({"name": s.mode or "step", "cat": "step", "ph": "X", "ts": start, "dur": max(end - start, 0),
+        out.append({"name": shown_mode(s.mode, s.spec_proposed) or "step", "cat": "step", "ph": "X", "ts": start, "dur": max(end - start, 0),
                     "pid": ENGINE_PID, "tid": STEPS_TID,
                     "args": {"step": s.step, "batch_size": s.batch_size, "num_tokens": s.num_tokens,
                              "output_tokens": s.output_tokens, "forward_ms": _num(s.forward_ms),

@@ -236,6 +236,14 @@ class StepSummary:
         return out
 
 
+def shown_mode(mode: str | None, spec_proposed: int) -> str | None:
+    """The mode a viewer shows for a step. A speculative step is scheduled as DECODE but its target
+    forward verifies the drafts (TARGET_VERIFY); summaries written before StepSummary knew that say
+    DECODE, and a step with proposed drafts is such a step (the spec worker verifies exactly when
+    some request of the batch has drafts)."""
+    return "TARGET_VERIFY" if mode == "DECODE" and spec_proposed > 0 else mode
+
+
 def upsert_steps(conn: sqlite3.Connection, summaries: list[StepSummary]) -> None:
     marks = ", ".join("?" * len(STEP_COLUMNS))
     conn.executemany(f"INSERT OR REPLACE INTO steps VALUES ({marks})", [s.row() for s in summaries])

@@ -12,7 +12,7 @@ Two kernels:
   which at batch 32 and a few hundred cached tokens costs as much as the attention itself; the
   kernel reads the pool in place through `req_to_token`.
 - Packed-weight GEMMs for `nn.Linear` (`pack_linears`): MKL's `cblas_sgemm_pack` lays each weight
-  out once at load for its GEMM kernel, and `cblas_sgemm_compute` then skips the packing that
+  out once (when first needed, see PackedLinear) for its GEMM kernel, and `cblas_sgemm_compute` then skips the packing that
   `F.linear` redoes on every call; at 16 to 64 rows (a decode batch) that packing is a large share
   of the GEMM. The MKL inside torch's CPU wheels exports both; where it does not, nothing changes.
   Rows below `PACKED_MIN_ROWS` keep `F.linear` (MKL takes a GEMV-like path there, where packing buys
@@ -142,7 +142,14 @@ def mkl() -> ctypes.CDLL | None:
 
 class PackedLinear:
     """The forward of one `nn.Linear` through its MKL-packed weight (CPU float32, `PACKED_MIN_ROWS` to
-    `PACKED_MAX_ROWS` rows, and only at row counts where `checks` found it bit-identical to `F.linear`)."""
+    `PACKED_MAX_ROWS` rows, and only at row counts where `checks` found it bit-identical to `F.linear`).
+
+    The weight is packed when first needed, not at load: on the layer's second call in that row
+    range (the first one, and every call before, computes `F.linear`, which the check found
+    bit-identical), or when the check itself needs it. Packing all of SmolLM2 writes about 2 GB
+    (MKL's packed layout is padded), which is most of a second even on an idle machine; a one-line
+    `workbench generate` (decode at 1 row) or a single prefill never pays it, and a server pays it
+    at its second batched step, once."""
 
     def __init__(self, lib: ctypes.CDLL, module: torch.nn.Linear, checks: FastPathChecks = CHECKS) -> None:
         weight = module.weight.detach()
@@ -150,10 +157,19 @@ class PackedLinear:
         # a weak reference: the module holds this object as its forward, and a cycle would keep the
         # model (and the packed copy) alive after its Engine is dropped, until the cyclic GC runs
         self.lib, self._module, self.checks = lib, weakref.ref(module), checks
-        size = lib.cblas_sgemm_pack_get_size(_B_MATRIX, 64, self.out_features, self.in_features)
-        self.packed = torch.empty(size, dtype=torch.uint8)
-        lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 64, self.out_features, self.in_features, 1.0,
-                             weight.data_ptr(), self.in_features, self.packed.data_ptr())
+        self.nbytes = lib.cblas_sgemm_pack_get_size(_B_MATRIX, 64, self.out_features, self.in_features)
+        self.packed: torch.Tensor | None = None  # packed by `_pack` when first needed
+        self.calls_in_range = 0
+
+    def _pack(self) -> torch.Tensor:
+        with _lock:
+            if self.packed is None:
+                packed = torch.empty(self.nbytes, dtype=torch.uint8)
+                weight = self._module().weight.detach()
+                self.lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 64, self.out_features, self.in_features,
+                                          1.0, weight.data_ptr(), self.in_features, packed.data_ptr())
+                self.packed = packed
+            return self.packed
 
     @property
     def module(self) -> torch.nn.Linear:
@@ -163,12 +179,13 @@ class PackedLinear:
         """`x2 [rows, in] -> [rows, out]` through the packed weight, unchecked (fastpath.py checks it)."""
         rows = x2.shape[0]
         x2 = x2.contiguous()
+        packed = self.packed if self.packed is not None else self._pack()
         bias = self._module().bias
         # with a bias, C starts as the bias and the GEMM adds into it (beta = 1), as F.linear's addmm does
         y = torch.empty((rows, self.out_features), dtype=torch.float32) if bias is None else \
             bias.detach().expand(rows, self.out_features).contiguous()
         self.lib.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, rows, self.out_features, self.in_features,
-                                     x2.data_ptr(), self.in_features, self.packed.data_ptr(), self.in_features,
+                                     x2.data_ptr(), self.in_features, packed.data_ptr(), self.in_features,
                                      0.0 if bias is None else 1.0, y.data_ptr(), self.out_features)
         return y
 
@@ -178,14 +195,20 @@ class PackedLinear:
         if (not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
                 or torch.is_grad_enabled() or not self.checks.linear_ok(self, rows)):
             return torch.nn.functional.linear(x, module.weight, module.bias)  # what nn.Linear.forward does
+        if self.packed is None:
+            self.calls_in_range += 1
+            if self.calls_in_range < 2:  # bit-identical (checked), and packing may never pay off
+                return torch.nn.functional.linear(x, module.weight, module.bias)
         return self.compute(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
 
 
 def pack_linears(model: torch.nn.Module, budget_bytes: int | None = None, checks: FastPathChecks = CHECKS) -> int:
     """Route every CPU float32 `nn.Linear` of `model` through a packed weight (once per model).
-    Returns the bytes the packed copies take, 0 when nothing was packed: no MKL, another device or
-    dtype, or more than `budget_bytes` (default: a quarter of the memory available now). The packed
-    layers answer through `checks`, which verifies them at the common decode batch sizes now."""
+    Returns the bytes the packed copies take once all are packed (each is packed when first needed,
+    PackedLinear), 0 when nothing was routed: no MKL, another device or dtype, or more than
+    `budget_bytes` (default: a quarter of the memory available now). The layers answer through
+    `checks`, which decides the common decode batch sizes now (from its verdict file where it has
+    one, else by packing one layer of each shape and checking it)."""
     if getattr(model, "_workbench_packed_bytes", None) is not None:
         return model._workbench_packed_bytes
     lib = mkl()

@@ -14,6 +14,10 @@ report the engine config and traces carry (`report()`). Does not own the kernels
   the common decode batch sizes at load time so the report says what was decided before the first
   request. The verdict is per shape, not per weight: identity is a property of the order of the
   operations, which MKL fixes by shape (a probe input of random values exposes any other order).
+  Verdicts are also kept on disk (verdicts.py), keyed by the CPU, torch's build, MKL and this code,
+  so a second load on the same machine reuses them instead of packing and checking again; the
+  report says which verdicts were "checked in this process" and which are a "cached verdict from
+  <date>".
 - **Paged decode attention** (kernels/decode_attention.c instead of gather + masked
   `scaled_dot_product_attention`): at one decode row the torch path computes exactly what
   transformers computes (no padding), so the kernel is used there only if it is bit-identical to it
@@ -36,6 +40,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from workbench.engine.run.verdicts import VerdictStore, default_store
+
 ENV_SWITCH = "WORKBENCH_CPU_KERNELS"  # "0": no native kernels; "exact": bit identity everywhere
 ATTENTION_ERROR_FACTOR = 4.0
 LOAD_TIME_ROWS = (16, 32)  # decode batch sizes checked before the first request (the rest on first use)
@@ -45,12 +51,16 @@ def exact_only() -> bool:
     return os.environ.get(ENV_SWITCH, "1") == "exact"
 
 
+CHECKED_NOW = "checked in this process"
+
+
 @dataclass(slots=True)
 class LinearVerdict:
     """Packed GEMM vs `F.linear` for one weight shape at one row count."""
 
     identical: bool
     max_abs_diff: float
+    source: str = CHECKED_NOW  # or "cached verdict from <date>" (verdicts.py)
 
 
 @dataclass(slots=True)
@@ -67,9 +77,10 @@ class AttentionVerdict:
 
 @dataclass(slots=True)
 class FastPathChecks:
-    """The per-process verdicts. `compute` is how a packed layer computes (injectable, so a test can
-    make it wrong and see it refused)."""
+    """The per-process verdicts, and optionally the on-disk `store` of earlier processes' linear
+    verdicts (the process-wide CHECKS has one; a fresh FastPathChecks() checks everything itself)."""
 
+    store: VerdictStore | None = None
     linear: dict[tuple[int, int, bool, int, int], LinearVerdict] = field(default_factory=dict)
     attention: dict[tuple[int, int, int], AttentionVerdict] = field(default_factory=dict)
     load_seconds: float = 0.0
@@ -83,7 +94,13 @@ class FastPathChecks:
         key = (packed.out_features, packed.in_features, module.bias is not None, rows, torch.get_num_threads())
         verdict = self.linear.get(key)
         if verdict is None:
-            verdict = self._verify_linear(packed, module, rows)
+            cached = self.store.get(key) if self.store is not None else None
+            if cached is not None:
+                verdict = LinearVerdict(cached[0], cached[1], f"cached verdict from {cached[2]}")
+            else:
+                verdict = self._verify_linear(packed, module, rows)
+                if self.store is not None:
+                    self.store.put(key, verdict.identical, verdict.max_abs_diff)
             with self.lock:
                 self.linear[key] = verdict
         return verdict.identical
@@ -134,9 +151,11 @@ class FastPathChecks:
     def report(self) -> dict[str, Any]:
         by_shape: dict[str, dict[str, list[int]]] = {}
         reasons: list[str] = []
+        sources: dict[str, list[str]] = {}
         for (n, k, bias, rows, threads), v in sorted(self.linear.items()):
             entry = by_shape.setdefault(f"{k}->{n}{' +bias' if bias else ''}", {"packed_rows": [], "refused_rows": []})
             entry["packed_rows" if v.identical else "refused_rows"].append(rows)
+            sources.setdefault(v.source, []).append(f"{k}->{n}{' +bias' if bias else ''} at {rows} rows")
             if not v.identical:
                 reasons.append(f"{k}->{n} at {rows} rows ({threads} threads): packed differs from F.linear "
                                f"by up to {v.max_abs_diff:.3g}; F.linear is used")
@@ -156,8 +175,12 @@ class FastPathChecks:
                 "check_seconds": round(v.seconds, 3)}
         return {"policy": "exact" if exact_only() else "packed GEMM only where bit-identical to F.linear "
                 "(per shape and row count, checked on this CPU); decode attention as the report says",
-                "packed_linear": {"shapes": by_shape, "refused": reasons,
-                                  "unchecked_rows": "verified on first use, then cached for the process",
+                "packed_linear": {"shapes": by_shape, "refused": reasons, "verdicts": sources,
+                                  "verdict_file": str(self.store.path) if self.store is not None else None,
+                                  "unchecked_rows": "verified on first use, then kept for the process"
+                                  + (" and in the verdict file" if self.store is not None else ""),
+                                  "packing": "each layer's weight is packed on its second call at "
+                                  "16-256 rows (a command that never runs such batches never packs)",
                                   "load_check_seconds": round(self.load_seconds, 3)},
                 "attention": attention}
 
@@ -204,4 +227,4 @@ def _verify_attention(heads: int, kv_heads: int, head_dim: int, kernel: Callable
                             time.perf_counter() - start)
 
 
-CHECKS = FastPathChecks()  # this process's verdicts (the default every packed layer and kernel call uses)
+CHECKS = FastPathChecks(default_store())  # this process's verdicts (the default every packed layer and kernel call uses)

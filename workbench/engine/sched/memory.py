@@ -75,13 +75,23 @@ class TokenToKVPoolAllocator:
 
 
 class KVPool:
-    """Per-layer K and V tensors of `[num_slots + 1, kv_heads, head_dim]` (row 0 is padding)."""
+    """Per-layer K and V tensors of `[num_slots + 1, kv_heads, head_dim]` (row 0 is padding).
+
+    Allocated with `torch.empty`, not `torch.zeros`: zeroing a 1 GiB pool touches every page at
+    load (a large share of the start-up on CPU), while an untouched page costs nothing until a slot
+    on it is written. Nothing reads a slot before it is written: attention reads only slots of
+    positions already computed (written by `write` this step or an earlier one, or by `copy_kv`),
+    except padding, which reads row 0, zeroed here (masked out, but a NaN there would turn the
+    masked softmax's `0 * v` into NaN). tests/test_engine_core.py fills every other row with NaN
+    and checks the tokens and logprobs do not change."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str) -> None:
         shape = (num_slots + 1, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for t in (*self.k, *self.v):
+            t[0].zero_()
         self.bytes_per_token = 2 * num_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -52,7 +52,7 @@ class SpecTokens:
     ranks: list[int]
     top_logprobs: list[list[tuple[int, float]]]
     token_ids_logprobs: list[dict[int, float]]
-    sources: list[str]  # spec_accept | spec_recover | spec_bonus
+    sources: list[str]  # spec_accept | spec_recover | spec_bonus | forced
 
 
 def make_spec_worker(spec: str | dict[str, Any] | SpecConfig, target: Target, outputs: OutputStage) -> SpecWorker:
@@ -210,12 +210,13 @@ class SpecWorker:
         """Cut the run at a finish, free the KV of what is not kept, append the tokens; return them."""
         memory = self.target.memory
         k = len(res.draft_tokens)
-        tokens = res.tokens[: self.outputs.finish_index(req, res.tokens)]
+        position = len(req.output_ids)
+        tokens, forced_at = _apply_forced(req, position, res.tokens)
+        tokens = tokens[: self.outputs.finish_index(req, tokens)]
         m = len(tokens)
         base = req.kv_len - (k + 1)  # KV length before this verify
         keep = base + m  # [last] and the accepted drafts before the final token stay
         freed = memory.req_to_token_pool.req_to_token[req.req_pool_idx, keep:req.kv_len].cpu()
-        position = len(req.output_ids)
         memory.allocator.free(freed)
         if freed.numel():
             ctx.obs.kv(ctx, req.req_id, "rollback", freed.tolist(), "spec: rejected drafts")
@@ -225,7 +226,7 @@ class SpecWorker:
             req.spec_stats = SpecStats()
         req.spec_stats.record(res.accepted, m)
         self.totals.record(res.accepted, m)
-        chosen = _token_records(req, tokens, res, lp, ctx.obs.topk)
+        chosen = _token_records(req, tokens, res, lp, ctx.obs.topk, forced_at)
         spec_trace.verified(ctx, req, res, position, tokens, freed, draft_freed)
         spec_trace.committed(ctx, req, position, logits, raw_lp, chosen)
         self.outputs.append(ctx, [req] * m, chosen)
@@ -238,15 +239,27 @@ class SpecWorker:
             spec_trace.draft_forward(ctx, f.fb, f.seconds)
 
 
-def _token_records(req: Req, tokens: list[int], res: VerifyResult, lp: torch.Tensor, trace_k: int
-                   ) -> SpecTokens:
+def _apply_forced(req: Req, position: int, tokens: list[int]) -> tuple[list[int], int | None]:
+    """The verified run with a forced token (Engine.force_token) in place: the run is cut after the
+    forced position and the token there replaced, so what follows is decided from the forced token,
+    as in a step without speculation. Returns the tokens and the index of the forced one (or None)."""
+    if req.forced_tokens:
+        for j in range(len(tokens)):
+            if (forced := req.forced_tokens.get(position + j)) is not None:
+                return [*tokens[:j], forced], j
+    return tokens, None
+
+
+def _token_records(req: Req, tokens: list[int], res: VerifyResult, lp: torch.Tensor, trace_k: int,
+                   forced_at: int | None = None) -> SpecTokens:
     """Logprob (in the request's logprobs_mode), rank and top alternatives of each appended token;
-    row j of the target's rows chose token j."""
+    row j of the target's rows chose token j (a forced token is scored where it was forced)."""
     m = len(tokens)
     p = req.params
     facts = token_logprobs(lp[:m], torch.tensor(tokens), max(p.top_logprobs, trace_k),
                            [tuple(p.token_ids_logprob)] * m)
     n = res.num_accepted
-    sources = ["spec_accept" if j < n else ("spec_bonus" if res.extra_kind == "bonus" else "spec_recover")
+    sources = ["forced" if j == forced_at else
+               "spec_accept" if j < n else ("spec_bonus" if res.extra_kind == "bonus" else "spec_recover")
                for j in range(m)]
     return SpecTokens(list(tokens), facts.logprobs, facts.ranks, facts.top, facts.token_ids, sources)
