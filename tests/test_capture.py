@@ -155,7 +155,7 @@ def test_engine_wide_capture_covers_the_named_requests_only(tiny):
     assert all(name.startswith("capture/") for name in sink.tensors)  # summary level: only captured tensors
 
 
-def test_capture_off_registers_no_hooks_and_records_nothing(tiny):
+def test_capture_off_registers_no_hooks_and_records_nothing(tiny, monkeypatch):
     sink = MemorySink()
     engine = Engine(tiny, trace_sinks=[sink])
     seen = []
@@ -166,7 +166,7 @@ def test_capture_off_registers_no_hooks_and_records_nothing(tiny):
         seen.append(sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in layers))
         return original(*a, **kw)
 
-    engine.runner.model.forward = watch
+    monkeypatch.setattr(engine.runner.model, "forward", watch)  # the shared model gets its forward back after
     engine.generate([PROMPT], GREEDY)
     assert seen and seen == [0] * len(seen)
     assert not sink.of_kind("capture") and not sink.tensors

@@ -306,5 +306,10 @@ def test_the_engine_reports_which_kernels_ran_and_why(tiny):
     shapes = report["checks"]["packed_linear"]["shapes"]
     hidden = tiny.model.config.hidden_size
     assert f"{hidden}->{tiny.model.config.vocab_size}" in shapes  # lm_head checked too
-    for entry in shapes.values():  # 16 and 32 rows at load, 20 (the decode batch) on first use
-        assert set(entry["packed_rows"] + entry["refused_rows"]) >= {16, 20, 32}
+    # this model's shapes (the report is the process's: other tests' models are in it too)
+    mine = {f"{m.in_features}->{m.out_features}{' +bias' if m.bias is not None else ''}"
+            for m in tiny.model.modules() if isinstance(m, torch.nn.Linear)}
+    assert mine <= set(shapes)
+    for name in mine:  # 16 and 32 rows at load, 20 (the decode batch) on first use
+        entry = shapes[name]
+        assert set(entry["packed_rows"] + entry["refused_rows"]) >= {16, 20, 32}, name
