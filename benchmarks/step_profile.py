@@ -3,6 +3,7 @@ of the model's ops, the sampler, batch building, output processing (detokenizer,
 tracing, and the Python around them.
 
     python benchmarks/step_profile.py [--model smollm2] [--batches 1 8 32] [--steps 24] [--trace off]
+        [--threads N] [--clock wall|cpu]
 
 Each batch size starts that many chat requests (greedy, ignore_eos), runs until every request is
 decoding, then times `--steps` decode steps with timers wrapped around the pipeline's functions.
@@ -15,6 +16,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
+import platform
 import statistics
 import sys
 import time
@@ -29,20 +32,21 @@ PARTS = ("gemm", "attention", "model_other", "sampler", "batch_build", "sampling
 
 
 class Timers:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.acc: dict[str, float] = defaultdict(float)
         self.depth: dict[str, int] = defaultdict(int)
+        self.clock = clock
 
     def wrap(self, name: str, fn: Callable) -> Callable:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if self.depth[name]:  # nested (a timed function calling itself): count once
                 return fn(*args, **kwargs)
             self.depth[name] += 1
-            t = time.perf_counter()
+            t = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.acc[name] += time.perf_counter() - t
+                self.acc[name] += self.clock() - t
                 self.depth[name] -= 1
         return timed
 
@@ -86,10 +90,15 @@ def instrument(engine, timers: Timers) -> contextlib.ExitStack:
         if callable(fn) and (name.endswith("_event") or name.startswith("emit_")):
             stack.enter_context(patched(tracing, name, timers.wrap("tracing", fn)))
     stack.enter_context(patched(engine.tracer, "emit", timers.wrap("tracing", engine.tracer.emit)))
+    obs = engine.observer  # every seam of the trace observer (a no-op while tracing is off)
+    for name in ("scheduled", "batch_built", "forward_done", "sampled", "output_processed", "stamped", "finished",
+                 "kv", "forked", "evicted"):
+        stack.enter_context(patched(obs, name, timers.wrap("tracing", getattr(obs, name))))
     return stack
 
 
-def profile_batch(loaded, batch: int, steps: int, trace_level: str, new: int = 100) -> dict[str, float]:
+def profile_batch(loaded, batch: int, steps: int, trace_level: str, new: int = 100,
+                  clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     from benchmarks.throughput import chat_prompts
     from workbench.engine.engine import Engine
     from workbench.engine.sample.sampling_params import SamplingParams
@@ -103,13 +112,13 @@ def profile_batch(loaded, batch: int, steps: int, trace_level: str, new: int = 1
         engine.step()
     for _ in range(3):  # warm: every request decoding, first-use kernel checks done
         engine.step()
-    timers = Timers()
+    timers = Timers(clock)
     walls = []
     with instrument(engine, timers):
         for _ in range(steps):
-            t = time.perf_counter()
+            t = clock()
             engine.step()
-            walls.append(time.perf_counter() - t)
+            walls.append(clock() - t)
     engine.close()
     del engine
     gc.collect()
@@ -131,6 +140,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--trace", default="off", choices=["off", "summary"])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="cpu: the main thread's CPU time (time.thread_time), which time spent descheduled on a "
+                    "shared machine does not inflate; only meaningful with --threads 1")
     args = ap.parse_args()
     import torch
 
@@ -144,8 +156,11 @@ def main() -> None:
     rows = {}
     for b in args.batches:
         print(f"batch {b}: profiling {args.steps} decode steps (trace {args.trace})...", file=sys.stderr, flush=True)
-        rows[b] = profile_batch(loaded, b, args.steps, args.trace)
-    print(f"\nms per decode step, {args.model}, trace {args.trace}, {torch.get_num_threads()} threads\n")
+        rows[b] = profile_batch(loaded, b, args.steps, args.trace,
+                                clock=time.thread_time if args.clock == "cpu" else time.perf_counter)
+    load = os.getloadavg()
+    print(f"\nms per decode step ({args.clock} clock), {args.model}, trace {args.trace}, {torch.get_num_threads()} "
+          f"threads, {platform.processor() or platform.machine()}, load average {load[0]:.2f} at the end\n")
     print("| part | " + " | ".join(f"batch {b}" for b in rows) + " |")
     print("|---|" + "---:|" * len(rows))
     for c in cols:

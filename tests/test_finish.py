@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from workbench.engine.output.finish import FinishInputs, decide_finish
+from workbench.engine.output.finish import FinishInputs, decide_finish, stops_by_token
 from workbench.trace.events import FinishDecision, event_loads
 
 EOS, STOP_ID, OTHER = 2, 7, 100
@@ -93,3 +93,21 @@ def test_stopped_by_token_tells_the_engine_to_leave_its_text_out() -> None:
 def test_bad_inputs_name_the_parameter(field: str, value: int) -> None:
     with pytest.raises(ValueError, match=field):
         inputs(**{field: value})
+
+
+def test_the_quick_stop_by_token_answer_is_the_full_decisions() -> None:
+    """The detokenizer's per-token question (stopped by a token id?) answered without the recorded
+    checks agrees with the full decision on every combination of the rules' inputs."""
+    import itertools
+
+    seen = set()
+    for n, mx, seq, mn, tok, ign, stop_ids, stop_str, tool, abort in itertools.product(
+            (1, 4, 10), (None, 10), (20, 100), (0, 4), (None, EOS, STOP_ID, OTHER), (False, True),
+            ((), (STOP_ID,), (EOS,)), (None, "###"), (False, True), (None, "gone")):
+        inp = inputs(num_output_tokens=n, max_new_tokens=mx, seq_len=seq, min_new_tokens=mn, last_token_id=tok,
+                     ignore_eos=ign, stop_token_ids=stop_ids, stop_string_matched=stop_str,
+                     has_complete_tool_call=tool, aborted=abort)
+        want = decide_finish(inp).stopped_by_token
+        assert stops_by_token(inp) == want, inp
+        seen.add(want)
+    assert seen == {True, False}

@@ -137,3 +137,21 @@ def test_smollm2_raw_and_prompt_logprobs(smollm2) -> None:
     got = [e["logprob"] for e in out.prompt_logprobs[1:]]
     want = [float(ref[i - 1, t]) for i, t in enumerate(out.prompt_token_ids) if i]
     assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_rank_is_one_plus_the_count_of_strictly_better_tokens() -> None:
+    """Ranks from token_logprobs (a row whose pick is its maximum is found rank 1 without counting)
+    equal the definition on picks of every kind: the argmax, ties, others, NaN rows, -inf picks."""
+    from workbench.engine.sample.logprobs import token_logprobs
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        x = torch.randint(-3, 3, (6, 40), generator=gen).float()
+        if trial % 4 == 0:
+            x[0, 3] = float("nan")
+        if trial % 5 == 0:
+            x[1, :5] = float("-inf")
+        lp = torch.log_softmax(x, dim=-1)
+        chosen = x.argmax(dim=-1) if trial % 2 else torch.randint(0, 40, (6,), generator=gen)
+        want = ((lp > lp.gather(1, chosen[:, None])).sum(dim=-1) + 1).tolist()
+        assert token_logprobs(lp, chosen, 0).ranks == want, trial

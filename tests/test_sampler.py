@@ -303,3 +303,28 @@ def test_seeded_request_repeats_in_the_same_batch_composition(engine) -> None:
     first = [o.token_ids for o in engine.generate(prompts, params)]
     second = [o.token_ids for o in engine.generate(prompts, params)]
     assert first == second
+
+
+def test_the_blocked_greedy_argmax_is_torch_argmax_exactly() -> None:
+    """The sampler's two-level argmax picks the index `torch.argmax` picks: ties (the first wins),
+    NaN, infinities, signed zeros, rows shorter than a block and tails after the last block."""
+    from workbench.engine.sample.argmax import BLOCK, MIN_ROWS, first_argmax
+
+    assert MIN_ROWS <= 9  # the rows below take the blocked path
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 17, 49152]
+    for trial in range(400):
+        v = lengths[trial % len(lengths)]
+        x = torch.randint(-3, 3, (9, v), generator=gen).float()  # few distinct values: many ties
+        if trial % 3 == 0:
+            x[0, int(torch.randint(0, v, (1,), generator=gen))] = float("nan")
+        if trial % 4 == 0:
+            x[1] = float("-inf")
+        if trial % 5 == 0:
+            x[2] = torch.where(torch.rand(v, generator=gen) < 0.5, torch.tensor(0.0), torch.tensor(-0.0))
+        if trial % 7 == 0:
+            x[3, -1] = x[3].max()  # a tie between the last logit and an earlier one
+        if trial % 2 == 0:
+            x = torch.randn(9, v, generator=gen)  # distinct values: one maximum per row
+        assert torch.equal(first_argmax(x), x.argmax(dim=-1)), (trial, v)

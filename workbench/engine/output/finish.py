@@ -141,3 +141,15 @@ def decide_finish(inp: FinishInputs) -> FinishResult:
     if replace:
         reason, evidence = "tool_calls", {"type": "tool_calls", "matched": matched}
     return FinishResult(reason, evidence, matched, [abort, *length, *stops, tool])
+
+
+def stops_by_token(inp: FinishInputs) -> bool:
+    """`decide_finish(inp).stopped_by_token`, without building the recorded checks: the detokenizer
+    asks this before every token (whether to show its text), and only the full decision is traced."""
+    tok = inp.last_token_id
+    if inp.aborted is not None or not isinstance(tok, int):
+        return False
+    if (inp.max_new_tokens is not None and inp.num_output_tokens >= inp.max_new_tokens) \
+            or inp.seq_len >= inp.context_limit or inp.num_output_tokens <= inp.min_new_tokens:
+        return False
+    return (tok in inp.eos_token_ids and not inp.ignore_eos) or tok in inp.stop_token_ids

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from workbench.engine.output.detokenizer import DetokUpdate, IncrementalDetokenizer
-from workbench.engine.output.finish import FinishInputs, FinishResult, decide_finish
+from workbench.engine.output.finish import FinishInputs, FinishResult, decide_finish, stops_by_token
 from workbench.engine.output.output import Finished, RequestOutput, TokenLogprob
 from workbench.engine.output.tool_parser import StreamingToolParser
 from workbench.engine.sample.grammar import accept_tokens
@@ -75,8 +75,7 @@ class OutputProcessor:
         `include_stop_str_in_output`; a completed stop string cuts the ids after it.
         """
         token = req.output_ids[n - 1]
-        pre = decide_finish(self._inputs(req, n))
-        if pre.stopped_by_token and not req.params.include_stop_str_in_output:
+        if not req.params.include_stop_str_in_output and stops_by_token(self._inputs(req, n)):
             upd = req.detok.push([])
         else:
             upd = req.detok.push([token])

@@ -116,6 +116,10 @@ def _decode(meta, kv, layer: int, query: torch.Tensor, out: torch.Tensor, scale:
     k = kv.k[layer].index_select(0, idx.reshape(-1)).view(shape).transpose(1, 2)  # [Bd, KVH, L, D]
     v = kv.v[layer].index_select(0, idx.reshape(-1)).view(shape).transpose(1, 2)
     mask = meta.decode_mask
+    if idx.shape[0] == 1 and window is None and softcap is None and sinks is None:
+        # one row has no padding: attend unmasked, as transformers' own decode step does (the same bits as
+        # the all-True mask, and sdpa skips the mask work)
+        mask = None
     if window is not None:
         first = (meta.decode_lens - window)[:, None, None, None]  # [Bd, 1, 1, 1]
         mask = mask & (torch.arange(idx.shape[1], device=idx.device) >= first)

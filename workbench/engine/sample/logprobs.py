@@ -35,7 +35,7 @@ def token_logprobs(lp: torch.Tensor, chosen: torch.Tensor, top_k: int,
     """`lp` `[R, V]` log-probabilities, `chosen` `[R]` ids -> logprob, rank, top-k and named ids."""
     rows = lp.shape[0]
     picked = lp.gather(1, chosen.view(-1, 1).to(lp.device))[:, 0]  # [R]
-    ranks = (lp > picked[:, None]).sum(dim=-1) + 1
+    ranks = _ranks(lp, picked)
     tops: list[list[tuple[int, float]]] = [[] for _ in range(rows)]
     if top_k > 0:
         vals, ids = lp.topk(min(top_k, lp.shape[-1]), dim=-1)
@@ -47,6 +47,21 @@ def token_logprobs(lp: torch.Tensor, chosen: torch.Tensor, top_k: int,
                 vals = lp[r, torch.tensor(list(ids_r), device=lp.device)].tolist()
                 named[r] = dict(zip((int(t) for t in ids_r), vals))
     return TokenLogprobs(picked.tolist(), ranks.tolist(), tops, named)
+
+
+def _ranks(lp: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    """1 + the number of logprobs strictly above `picked`, per row. A row whose pick is its maximum
+    (every greedy row) has rank 1 by definition, which one max-reduction shows; only the other rows
+    pay for the compare-and-count over the vocabulary."""
+    behind = _rows_where(~(picked >= lp.amax(dim=-1)))  # NaN anywhere: counted the long way
+    ranks = torch.ones(lp.shape[0], dtype=torch.int64, device=lp.device)
+    if behind.numel():
+        ranks[behind] = (lp[behind] > picked[behind, None]).sum(dim=-1) + 1
+    return ranks
+
+
+def _rows_where(mask: torch.Tensor) -> torch.Tensor:
+    return mask.nonzero().flatten()
 
 
 def store_prompt_logprobs(reqs: Sequence[Req], rows: Sequence[tuple[int, int]], logits: torch.Tensor) -> None:

@@ -34,6 +34,7 @@ import torch
 
 from workbench.engine.sample import grammar as grammar_mod
 from workbench.engine.sample import logprobs as lp_mod
+from workbench.engine.sample.argmax import first_argmax
 from workbench.engine.sample.penalties import LogitBias, PenaltyTensors, TokenBan
 from workbench.engine.sched.request import Req
 
@@ -286,7 +287,7 @@ class Sampler:
         probs = torch.softmax(final, dim=-1)
         if bool(info.greedy.any()):
             rows = _rows(info.greedy)
-            one_hot = torch.zeros_like(probs[rows]).scatter_(1, final[rows].argmax(-1, keepdim=True), 1.0)
+            one_hot = torch.zeros_like(probs[rows]).scatter_(1, first_argmax(final[rows])[:, None], 1.0)
             probs[rows] = one_hot
         return probs
 
@@ -304,7 +305,7 @@ class Sampler:
             ids[r] = int(_rows(probs[r].cpu() > 0)[-1])
         greedy = info.greedy.cpu()
         if bool(greedy.any()):
-            ids = torch.where(greedy, probs.detach().cpu().argmax(dim=-1), ids)
+            ids = torch.where(greedy, first_argmax(probs.detach().cpu()), ids)
         return ids.to(probs.device), u
 
     @staticmethod
@@ -330,7 +331,7 @@ class Sampler:
         rows = logits.shape[0]
         if not (trace_topk or info.wants_logprobs or info.needs_stages):
             # untraced greedy rows nobody asked logprobs of: the argmax is all (as vLLM does)
-            ids, forced = _force(logits.argmax(dim=-1), info)
+            ids, forced = _force(first_argmax(logits), info)
             return SamplerOutput(ids.tolist(), [math.nan] * rows, [0] * rows, [[] for _ in range(rows)],
                                  [None] * rows, None, None, [{} for _ in range(rows)], forced)
         raw_lp = torch.log_softmax(logits, dim=-1)
@@ -340,7 +341,7 @@ class Sampler:
             ids, u = self.draw(self._final_probs(final, info), info)
             draws = [None if math.isnan(x) else x for x in u.tolist()]
         else:  # every row greedy and no stage touches any row: the argmax of the raw logits
-            final, ids, draws = None, logits.argmax(dim=-1), [None] * rows
+            final, ids, draws = None, first_argmax(logits), [None] * rows
             for stage in self.stage_order if recorder is not None else ():
                 recorder.record(stage, logits)  # applies to no row: repeats the logits record
         ids, forced = _force(ids, info)
