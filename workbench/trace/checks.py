@@ -2,7 +2,8 @@
 
 Owns: the table (`checks(req_id TEXT PRIMARY KEY, payload TEXT)`: one JSON row per request, from
 `workbench check`), the run's summary under meta key `check`, writing both into an existing trace
-(`store_checks`, replacing an earlier check) and reading them back (`read_checks`). A trace that
+(`store_checks`, replacing an earlier check) and reading them back (`read_checks`), both through
+annotations.py. A trace that
 was never checked has no such table; older readers ignore it, so the schema version is unchanged.
 Standard library only. Does not own computing the results (workbench/external/check.py).
 
@@ -14,34 +15,15 @@ Row payload: `{"req_id", "greedy", "first_divergence", "divergence_class", "posi
 
 from __future__ import annotations
 
-import json
 import os
-import sqlite3
-import urllib.parse
 from typing import Any
 
-from workbench.trace.format import file_problem, json_dumps
-
-_TABLE = "CREATE TABLE IF NOT EXISTS checks(req_id TEXT PRIMARY KEY, payload TEXT NOT NULL)"
+from workbench.trace.annotations import read_rows, store_rows
 
 
 def store_checks(path: str | os.PathLike[str], summary: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     """Write a check's rows and summary into the trace at `path` (an earlier check is replaced)."""
-    path = os.fspath(path)
-    problem = file_problem(path)
-    if problem:
-        raise ValueError(f"{os.path.basename(path)}: {problem}")
-    conn = sqlite3.connect(path, isolation_level=None, timeout=10.0)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute(_TABLE)
-        conn.execute("DELETE FROM checks")
-        conn.executemany("INSERT INTO checks(req_id, payload) VALUES (?, ?)",
-                         [(str(r["req_id"]), json_dumps(r)) for r in rows])
-        conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('check', ?)", (json_dumps(summary),))
-        conn.execute("COMMIT")
-    finally:
-        conn.close()
+    store_rows(path, "checks", "check", summary, rows)
 
 
 def read_checks(source: Any) -> dict[str, dict[str, Any]]:
@@ -49,29 +31,7 @@ def read_checks(source: Any) -> dict[str, dict[str, Any]]:
 
     A malformed row is skipped: the check is an annotation, and the trace must still open.
     """
-    path = source if isinstance(source, (str, os.PathLike)) else getattr(source, "path", None)
-    if path is None or not os.path.isfile(path):
-        return {}
-    uri = "file:" + urllib.parse.quote(os.path.abspath(os.fspath(path))) + "?mode=ro"
-    try:
-        conn = sqlite3.connect(uri, uri=True)
-    except sqlite3.Error:
-        return {}
-    out: dict[str, dict[str, Any]] = {}
-    try:
-        rows = conn.execute("SELECT req_id, payload FROM checks").fetchall()
-    except sqlite3.Error:  # no table: never checked
-        return {}
-    finally:
-        conn.close()
-    for req_id, payload in rows:
-        try:
-            value = json.loads(payload)
-        except (TypeError, ValueError):
-            continue
-        if isinstance(value, dict) and isinstance(value.get("positions"), list):
-            out[str(req_id)] = value
-    return out
+    return read_rows(source, "checks", "check")[1]
 
 
 def position_map(check: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
