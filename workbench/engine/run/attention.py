@@ -23,25 +23,30 @@ from workbench.engine.run import cpu_kernels
 ATTN_NAME = "workbench"
 
 
-def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-           softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
-    """transformers' eager attention (Gemma 2's soft-cap, gpt-oss's sinks) on `q [B, H, n, D]`,
-    `k, v [B, KVH, L, D]`, `mask` bool broadcastable to `[B, H, n, L]` (True = attend)."""
-    groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)  # repeat_kv
-    v = v.repeat_interleave(groups, dim=1)
+def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                    softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """transformers' eager attention weights `[B, H, n, L]` (Gemma 2's soft-cap, gpt-oss's sinks) of
+    `q [B, H, n, D]` over `k [B, KVH, L, D]`; `mask` bool broadcastable to `[B, H, n, L]` (True =
+    attend) or None. The engine's eager path and capture (capture.py) both read them from here."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # repeat_kv
     w = torch.matmul(q, k.transpose(2, 3)) * scale
     if softcap is not None:
         w = torch.tanh(w / softcap) * softcap
-    w = w.masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        w = w.masked_fill(~mask, float("-inf"))
     if sinks is None:
-        p = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-    else:
-        s = sinks.to(w.dtype).reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], 1)
-        w = torch.cat([w, s], dim=-1)
-        w = w - w.max(dim=-1, keepdim=True).values
-        p = torch.softmax(w, dim=-1, dtype=w.dtype)[..., :-1]
-    return torch.matmul(p.to(v.dtype), v)
+        return torch.softmax(w, dim=-1, dtype=torch.float32)
+    s = sinks.to(w.dtype).reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], 1)
+    w = torch.cat([w, s], dim=-1)
+    w = w - w.max(dim=-1, keepdim=True).values
+    return torch.softmax(w, dim=-1, dtype=w.dtype)[..., :-1]
+
+
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """transformers' eager attention on `q [B, H, n, D]`, `k, v [B, KVH, L, D]`."""
+    p = attention_probs(q, k, mask, scale, softcap, sinks)
+    return torch.matmul(p.to(v.dtype), v.repeat_interleave(q.shape[1] // v.shape[1], dim=1))
 
 
 def _attend(q, k, v, mask, scale, softcap, sinks, is_causal=False) -> torch.Tensor:

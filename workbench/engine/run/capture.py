@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from workbench.engine.run.attention import attention_probs
 from workbench.engine.run.capture_spec import CaptureSpec
 
 
@@ -92,21 +93,13 @@ class ForwardCapture:
             return
         out = self.attn.setdefault(layer, [])
         for row in self.rows:
-            q = query[0, :, row.token].float()  # [H, D]
+            q = query[0, :, row.token].float()[None, :, None]  # [1, H, 1, D]
             slots = table[row.pool_idx, :row.kv_len].to(kv.k[layer].device)
-            k = kv.k[layer].index_select(0, slots).float()  # [L, KVH, D]
-            k = k.repeat_interleave(q.shape[0] // k.shape[1], dim=1)  # repeat_kv -> [L, H, D]
-            w = torch.einsum("hd,lhd->hl", q, k) * scale  # [H, L]
-            if softcap is not None:
-                w = torch.tanh(w / softcap) * softcap
-            if window is not None and row.kv_len > window:
-                w[:, : row.kv_len - window] = float("-inf")  # the query sees the last `window` positions
-            if sinks is not None:
-                w = torch.cat([w, sinks.float().reshape(-1, 1)], dim=-1)
-                w = torch.softmax(w - w.max(dim=-1, keepdim=True).values, dim=-1)[:, :-1]
-            else:
-                w = torch.softmax(w, dim=-1)
-            out.append(w.cpu())
+            k = kv.k[layer].index_select(0, slots).float().transpose(0, 1)[None]  # [1, KVH, L, D]
+            mask = None
+            if window is not None and row.kv_len > window:  # the query sees the last `window` positions
+                mask = torch.arange(row.kv_len, device=k.device) >= row.kv_len - window
+            out.append(attention_probs(q, k, mask, scale, softcap, sinks)[0, :, 0].cpu())  # [H, L]
 
     def finish(self, logits: torch.Tensor, chosen: list[int], reqs: list[Any]) -> list[CaptureRecord]:
         """The records of the rows to keep: `logits [sampled rows, vocab]` (what the sampler saw),

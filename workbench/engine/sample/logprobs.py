@@ -53,15 +53,11 @@ def _ranks(lp: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
     """1 + the number of logprobs strictly above `picked`, per row. A row whose pick is its maximum
     (every greedy row) has rank 1 by definition, which one max-reduction shows; only the other rows
     pay for the compare-and-count over the vocabulary."""
-    behind = _rows_where(~(picked >= lp.amax(dim=-1)))  # NaN anywhere: counted the long way
+    behind = (~(picked >= lp.amax(dim=-1))).nonzero().flatten()  # NaN anywhere: counted the long way
     ranks = torch.ones(lp.shape[0], dtype=torch.int64, device=lp.device)
     if behind.numel():
         ranks[behind] = (lp[behind] > picked[behind, None]).sum(dim=-1) + 1
     return ranks
-
-
-def _rows_where(mask: torch.Tensor) -> torch.Tensor:
-    return mask.nonzero().flatten()
 
 
 def store_prompt_logprobs(reqs: Sequence[Req], rows: Sequence[tuple[int, int]], logits: torch.Tensor) -> None:
