@@ -60,9 +60,11 @@ def loading(what: str) -> Iterator[None]:
 
 
 def _make_engine(args: argparse.Namespace, trace: str | None = None):
-    from workbench.engine.engine import Engine
+    from workbench.models.loader import gc_paused
 
-    with loading(args.model):
+    with loading(args.model), gc_paused():  # torch's and the engine's imports too (loader.gc_paused)
+        from workbench.engine.engine import Engine
+
         return Engine(args.model, device=args.device, spec=args.spec, chunk_size=args.chunk_size,
                   max_batch_tokens=args.max_batch_tokens, trace=trace if trace is not None else args.trace,
                   trace_level=args.trace_level if (trace or args.trace) else "off")
