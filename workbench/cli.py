@@ -72,16 +72,19 @@ def _make_engine(args: argparse.Namespace, trace: str | None = None):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from workbench.engine.sample.sampling_params import params_from_args
+    from workbench.models.loader import gc_paused
 
-    params = params_from_args(args)  # a bad flag fails here, before the model loads
-    params._validate_grammar()
-    engine = _make_engine(args)
-    # This process's start-up heap (torch, transformers, the model: about 400,000 objects) stays for
-    # good: out of the collector's way (what vLLM does after start-up), so the first collection after
-    # the load (about 0.2 s) does not delay the first token. Unfrozen at the end, so the exit collects
-    # as usual (triton's bindings complain of leaks otherwise).
-    gc.freeze()
+    with gc_paused():  # from torch's import on (sampling_params imports it) to the loaded model
+        from workbench.engine.sample.sampling_params import params_from_args
+
+        params = params_from_args(args)  # a bad flag fails here, before the model loads
+        params._validate_grammar()
+        engine = _make_engine(args)
+        # This process's start-up heap (torch, transformers, the model: about 400,000 objects) stays
+        # for good: frozen before the collector is back (what vLLM does after start-up), so its first
+        # collection does not traverse it all (0.2-0.3 s) before the first token. Unfrozen at the
+        # end, so the exit collects as usual (triton's bindings complain of leaks otherwise).
+        gc.freeze()
     try:
         prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
         final = None
