@@ -10,9 +10,9 @@ from collections import Counter
 
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers.generation import logits_process as hf
 
+from tests.stats import chisquare_pvalue
 from workbench.engine.sample.sampler import STAGES, Sampler, SamplingBatchInfo
 from workbench.engine.sample.sampling_params import SamplingParams
 from workbench.engine.sched.request import Req
@@ -85,7 +85,7 @@ def _chi_square_p(sampler: Sampler, params: dict, expected_probs: torch.Tensor) 
     obs = [counts[t] for t in big] + ([sum(counts[t] for t in small)] if small else [])
     exp = [float(expected[t]) for t in big] + ([float(expected[small].sum())] if small else [])
     scale = sum(obs) / sum(exp)  # renormalise float dust so the totals match exactly
-    return float(chisquare(obs, [e * scale for e in exp]).pvalue)
+    return chisquare_pvalue(obs, [e * scale for e in exp])
 
 
 @pytest.mark.parametrize("params", COMBOS, ids=[str(c) for c in COMBOS])

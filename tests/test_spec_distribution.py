@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chi2_contingency, chisquare
 
+from tests.stats import chisquare_pvalue, contingency_pvalue
 from workbench.engine.engine import Engine
 from workbench.engine.sample.sampler import Sampler, SamplingBatchInfo
 from workbench.engine.sample.sampling_params import SamplingParams
@@ -73,7 +73,7 @@ def two_sample_p(a: np.ndarray, b: np.ndarray) -> float:
         for t in sample.tolist():
             table[row, index.get(t, len(bins))] += 1
     table = table[:, table.sum(0) > 0]
-    return float(chi2_contingency(table)[1])
+    return contingency_pvalue(table)
 
 
 PARAMS = {
@@ -149,7 +149,7 @@ def _goodness_p(sample: np.ndarray, p: torch.Tensor) -> float:
     observed = np.bincount(sample, minlength=len(expected))
     obs = np.append(observed[keep], observed[~keep].sum())
     exp = np.append(expected[keep], expected[~keep].sum())
-    return float(chisquare(obs, exp * obs.sum() / exp.sum())[1])
+    return chisquare_pvalue(obs, exp * obs.sum() / exp.sum())
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
