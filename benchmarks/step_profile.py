@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                     help="cpu: the main thread's CPU time (time.thread_time), which time spent descheduled on a "
                     "shared machine does not inflate; only meaningful with --threads 1")
-    ap.add_argument("--kernels", nargs="+", default=["exact"], choices=["exact", "fast"],
+    ap.add_argument("--kernels", nargs="+", default=["exact"], choices=["exact", "fast", "fast-int8"],
                     help="numerics modes to profile, alternated per batch size (default: exact)")
     args = ap.parse_args()
     import torch

@@ -33,6 +33,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--trace", default=None, help="record a .wbtrace file")
     p.add_argument("--trace-level", default="summary", choices=["off", "summary", "full"])
+    p.add_argument("--kernels", default="exact", choices=["exact", "fast", "fast-int8"],
+                   help="numerics: exact (default, transformers' numbers), fast (bf16 GEMMs, fused MLP and norm) "
+                        "or fast-int8 (int8 weights); the fast ones are faster on CPU and their output can differ")
 
 
 @contextlib.contextmanager
@@ -65,7 +68,8 @@ def _make_engine(args: argparse.Namespace, trace: str | None = None):
     with loading(args.model):
         return Engine(args.model, device=args.device, spec=args.spec, chunk_size=args.chunk_size,
                   max_batch_tokens=args.max_batch_tokens, trace=trace if trace is not None else args.trace,
-                  trace_level=args.trace_level if (trace or args.trace) else "off")
+                  trace_level=args.trace_level if (trace or args.trace) else "off",
+                  kernels=getattr(args, "kernels", "exact"))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -74,6 +78,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = params_from_args(args)  # a bad flag fails here, before the model loads
     params._validate_grammar()
     engine = _make_engine(args)
+    if engine.config.kernels != "exact":
+        print(f"kernels={engine.config.kernels}: not transformers' numbers; the output can differ from the default "
+              "(exact) mode", file=sys.stderr)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     final = None
     for out in engine.stream(prompt, params):

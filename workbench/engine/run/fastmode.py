@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-KERNELS = ("exact", "fast")
+KERNELS = ("exact", "fast", "fast-int8")
 DEFAULT = "exact"
 
 _state = threading.local()
@@ -43,23 +43,25 @@ def check(kernels: Any) -> str:
     """The validated mode name; ValueError naming the parameter and the allowed values otherwise."""
     if not isinstance(kernels, str) or kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(repr(k) for k in KERNELS)} ('exact': transformers' "
-                         f"numbers, the default; 'fast': bf16 GEMMs and fused ops, output may differ), got {kernels!r}")
+                         "numbers, the default; 'fast': bf16 GEMMs and fused ops; 'fast-int8': int8 weights; "
+                         f"the fast ones' output may differ), got {kernels!r}")
     return kernels
 
 
-def is_active() -> bool:
-    return getattr(_state, "on", False)
+def current() -> str | None:
+    """The fast mode switched on for this thread ("fast" / "fast-int8"), None when off."""
+    return getattr(_state, "mode", None)
 
 
 @contextlib.contextmanager
-def active(on: bool = True) -> Iterator[None]:
-    """The fast forwards for this thread while the block runs (ModelRunner wraps each forward)."""
-    prev = is_active()
-    _state.on = on
+def active(mode: str | None) -> Iterator[None]:
+    """`mode`'s fast forwards for this thread while the block runs (ModelRunner wraps each forward)."""
+    prev = current()
+    _state.mode = mode
     try:
         yield
     finally:
-        _state.on = prev
+        _state.mode = prev
 
 
 def cpu_has_bf16() -> bool:
@@ -70,15 +72,58 @@ def cpu_has_bf16() -> bool:
         return False
 
 
+INT8_MAX_ROWS = 8  # at most this many rows: torch's weight-only int8 GEMM; above: the same weights as bf16
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: `weight ~= q * scale[:, None]`, q in [-127, 127]."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+    return q, scale.to(torch.bfloat16)
+
+
+class _Weights:
+    """One GEMM's fast weights: bf16 (`kernels="fast"`), or int8 with per-channel scales plus their
+    bf16 dequantization (`"fast-int8"`: the same weights for every row count; the kernel differs)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, int8: bool) -> None:
+        self.int8 = None
+        if int8:
+            q, scale = quantize_int8(weight)
+            self.int8 = (q, scale)
+            self.weight = (q.float() * scale.float()[:, None]).to(torch.bfloat16)
+        else:
+            self.weight = weight.detach().to(torch.bfloat16)
+        self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
+
+    def nbytes(self) -> int:
+        return self.weight.numel() * 2 + (self.int8[0].numel() if self.int8 is not None else 0)
+
+    def __call__(self, x16: torch.Tensor) -> torch.Tensor:
+        """bf16 `[..., in]` -> bf16 `[..., out]`."""
+        rows = x16.numel() // x16.shape[-1]
+        if self.int8 is None or rows > INT8_MAX_ROWS:
+            return F.linear(x16, self.weight, self.bias)
+        y = torch._weight_int8pack_mm(x16.reshape(rows, x16.shape[-1]), *self.int8)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x16.shape[:-1], y.shape[-1])
+
+
 class FastLinear:
-    """One `nn.Linear`'s forward: in fast mode `bf16(x) @ bf16(W).T (+ b)` widened to float32;
+    """One `nn.Linear`'s forward: in fast mode `bf16(x) @ W_fast.T (+ b)` widened to float32;
     otherwise the forward it replaced (a cpu_kernels.PackedLinear or `F.linear`), unchanged."""
 
     def __init__(self, module: torch.nn.Linear) -> None:
         self._module = weakref.ref(module)
         self.inner = module.__dict__.get("forward")  # a PackedLinear, or None: nn.Linear.forward
-        self.weight = module.weight.detach().to(torch.bfloat16)
-        self.bias = None if module.bias is None else module.bias.detach().to(torch.bfloat16)
+        self.by_mode: dict[str, _Weights] = {}
+
+    def add(self, mode: str) -> None:
+        if mode not in self.by_mode:
+            m = self._module()
+            self.by_mode[mode] = _Weights(m.weight, m.bias, mode == "fast-int8")
 
     def exact(self, x: torch.Tensor) -> torch.Tensor:
         if self.inner is not None:
@@ -86,38 +131,42 @@ class FastLinear:
         m = self._module()
         return F.linear(x, m.weight, m.bias)
 
-    def fast16(self, x16: torch.Tensor) -> torch.Tensor:
-        """bf16 in, bf16 out (the fused MLP chains these)."""
-        return F.linear(x16, self.weight, self.bias)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not is_active() or x.dtype != torch.float32:
+        mode = current()
+        if mode is None or x.dtype != torch.float32:
             return self.exact(x)
-        return F.linear(x.to(torch.bfloat16), self.weight, self.bias).float()
+        return self.by_mode[mode](x.to(torch.bfloat16)).float()
 
 
 class FastMLP:
-    """A Llama-style MLP (`down(act(gate(x)) * up(x))`, SiLU) in fast mode: gate and up as one bf16
+    """A Llama-style MLP (`down(act(gate(x)) * up(x))`, SiLU) in fast mode: gate and up as one
     GEMM, SiLU and the multiply in place in bf16, then the down projection; otherwise unchanged."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self._module = weakref.ref(module)
         self.inner = module.__dict__.get("forward")
-        gate, up = module.gate_proj, module.up_proj
-        self.split = gate.out_features
-        self.weight = torch.cat([gate.weight.detach(), up.weight.detach()]).to(torch.bfloat16)
-        self.bias = None if gate.bias is None else torch.cat([gate.bias.detach(), up.bias.detach()]).to(torch.bfloat16)
+        self.split = module.gate_proj.out_features
+        self.by_mode: dict[str, _Weights] = {}
+
+    def add(self, mode: str) -> None:
+        if mode not in self.by_mode:
+            m = self._module()
+            gate, up = m.gate_proj, m.up_proj
+            bias = None if gate.bias is None else torch.cat([gate.bias.detach(), up.bias.detach()])
+            self.by_mode[mode] = _Weights(torch.cat([gate.weight.detach(), up.weight.detach()]), bias,
+                                          mode == "fast-int8")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self._module()
-        if not is_active() or x.dtype != torch.float32:
+        mode = current()
+        if mode is None or x.dtype != torch.float32:
             return self.inner(x) if self.inner is not None else type(m).forward(m, x)
-        gu = F.linear(x.to(torch.bfloat16), self.weight, self.bias)
+        gu = self.by_mode[mode](x.to(torch.bfloat16))
         h = F.silu(gu[..., : self.split])  # a new tensor; then h *= up in place
         h.mul_(gu[..., self.split:])
         down = m.down_proj.forward
         if isinstance(down, FastLinear):
-            return down.fast16(h).float()
+            return down.by_mode[mode](h).float()
         return down(h.float())
 
 
@@ -132,7 +181,7 @@ class FastRMSNorm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         m = self._module()
-        if not is_active() or x.dtype != torch.float32:
+        if current() is None or x.dtype != torch.float32:
             return self.inner(x) if self.inner is not None else type(m).forward(m, x)
         return torch.rms_norm(x, self.shape, m.weight, self.eps)
 
@@ -149,45 +198,56 @@ def _is_llama_rmsnorm(m: torch.nn.Module) -> bool:
             and hasattr(m, "variance_epsilon") and isinstance(getattr(m, "weight", None), torch.Tensor))
 
 
-def install(model: torch.nn.Module) -> dict[str, Any]:
-    """Wrap the model's linears, MLPs and norms with their fast forwards (once per model; cheap when
-    already done). Returns what was wrapped, for `report()`."""
-    done = getattr(model, "_workbench_fast", None)
-    if done is not None:
-        return done
+def install(model: torch.nn.Module, mode: str) -> dict[str, Any]:
+    """Wrap the model's linears, MLPs and norms with their fast forwards (once per model) and give
+    them `mode`'s weights (once per mode). Returns what was wrapped, for `report()`."""
+    installed = model.__dict__.setdefault("_workbench_fast", {})
+    if mode in installed:
+        return installed[mode]
     start = time.perf_counter()
-    linears = mlps = norms = 0
-    fused: set[int] = set()  # gate/up projections the fused MLP computes (no bf16 copy of their own)
+    wrappers: list[FastLinear | FastMLP] = []
+    norms = 0
+    fused: set[int] = set()  # gate/up projections the fused MLP computes (no fast copy of their own)
     for m in model.modules():
+        f = m.__dict__.get("forward")
         if _is_silu_mlp(m):
-            m.forward = FastMLP(m)
+            if not isinstance(f, FastMLP):
+                m.forward = f = FastMLP(m)
+            wrappers.append(f)
             fused.update((id(m.gate_proj), id(m.up_proj)))
-            mlps += 1
         elif _is_llama_rmsnorm(m):
-            m.forward = FastRMSNorm(m)
+            if not isinstance(f, FastRMSNorm):
+                m.forward = FastRMSNorm(m)
             norms += 1
     for m in model.modules():
         if isinstance(m, torch.nn.Linear) and id(m) not in fused:
-            m.forward = FastLinear(m)
-            linears += 1
-    bf16_bytes = sum(f.weight.numel() * 2 for m in model.modules()
-                     for f in (m.__dict__.get("forward"),) if isinstance(f, (FastLinear, FastMLP)))
-    done = {"linears": linears, "mlps": mlps, "norms": norms, "bf16_weight_bytes": bf16_bytes,
+            f = m.__dict__.get("forward")
+            if not isinstance(f, FastLinear):
+                m.forward = f = FastLinear(m)
+            wrappers.append(f)
+    for w in wrappers:
+        w.add(mode)
+    done = {"linears": sum(isinstance(w, FastLinear) for w in wrappers),
+            "mlps": sum(isinstance(w, FastMLP) for w in wrappers), "norms": norms,
+            "weight_bytes": sum(w.by_mode[mode].nbytes() for w in wrappers),
             "install_seconds": round(time.perf_counter() - start, 3)}
-    model._workbench_fast = done
+    installed[mode] = done
     return done
 
 
-def report(installed: dict[str, Any]) -> dict[str, Any]:
+def report(mode: str, installed: dict[str, Any]) -> dict[str, Any]:
     """What fast mode changes, for the engine config and the trace (cpu_kernels.checks["fast"])."""
     native = cpu_has_bf16()
+    where = "native AVX512-BF16/AMX in oneDNN" if native else "no native bf16 on this CPU: emulated, slow"
+    gemm = (f"int8 weights (symmetric, per output channel) with bf16 inputs: torch._weight_int8pack_mm at "
+            f"<= {INT8_MAX_ROWS} rows, the same weights dequantized to bf16 above ({where})"
+            if mode == "fast-int8" else f"bf16 weights and inputs ({where})")
     return {
-        "mode": "fast: not transformers' numbers; greedy output can differ from the exact mode",
-        "gemm": f"bf16 weights and inputs, float32 output, on {installed['linears']} linears "
-                f"({'native AVX512-BF16/AMX in oneDNN' if native else 'no native bf16 on this CPU: emulated, slow'})",
-        "mlp": f"gate+up as one bf16 GEMM, SiLU*up in place in bf16 ({installed['mlps']} MLPs)",
+        "mode": f"{mode}: not transformers' numbers; greedy output can differ from the exact mode",
+        "gemm": f"{gemm}, float32 output, on {installed['linears']} linears and {installed['mlps']} MLPs",
+        "mlp": f"gate+up as one GEMM, SiLU*up in place in bf16 ({installed['mlps']} MLPs)",
         "rmsnorm": f"torch.rms_norm, one fused op ({installed['norms']} norms)",
         "unchanged": "attention, rotary, residual adds, embeddings and the KV cache (float32, as in exact mode)",
-        "bf16_weight_bytes": installed["bf16_weight_bytes"],
+        "fast_weight_bytes": installed["weight_bytes"],
         "native_bf16": native,
     }

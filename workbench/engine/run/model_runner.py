@@ -25,8 +25,8 @@ from workbench.models.loader import LoadedModel
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, kernels: str = fastmode.DEFAULT) -> None:
         self.kernels = fastmode.check(kernels)
-        if kernels == "fast" and (loaded.device != "cpu" or loaded.model.dtype != torch.float32):
-            raise ValueError(f"kernels='fast' computes bf16 GEMMs for a CPU float32 model; this model is "
+        if kernels != "exact" and (loaded.device != "cpu" or loaded.model.dtype != torch.float32):
+            raise ValueError(f"kernels={kernels!r} replaces the GEMMs of a CPU float32 model; this model is "
                              f"{loaded.device} {str(loaded.model.dtype).removeprefix('torch.')} (use kernels='exact')")
         attention.register()
         self.loaded = loaded
@@ -50,14 +50,14 @@ class ModelRunner:
             heads = int(self.config.num_attention_heads)
             cpu_kernels.check_attention(heads, self.kv_heads, self.head_dim)
         # fast mode's wrappers go on after the packed linears (they call those when the mode is off)
-        self.fast = fastmode.install(self.model) if self.kernels == "fast" else None
+        self.fast = fastmode.install(self.model, self.kernels) if self.kernels != "exact" else None
 
     def kernel_report(self) -> dict[str, Any]:
         """Which native paths may run and why, for the engine config / trace meta. The first two keys
         are the ones older readers know; "checks" is fastpath.py's verdicts on this CPU so far."""
         checks = fastpath.CHECKS.report()
         if self.fast is not None:
-            checks["fast"] = fastmode.report(self.fast)
+            checks["fast"] = fastmode.report(self.kernels, self.fast)
         return {"decode_attention": self.cpu_fp32 and cpu_kernels.available(),
                 "packed_linear_bytes": self.packed_bytes, "checks": checks}
 
@@ -70,7 +70,7 @@ class ModelRunner:
         """Logits `[len(fb.logits_rows), vocab]` in float32 for the kept rows."""
         if self.fast is None:
             return self._forward(fb)
-        with fastmode.active():
+        with fastmode.active(self.kernels):
             return self._forward(fb)
 
     @torch.inference_mode()
