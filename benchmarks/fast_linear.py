@@ -49,18 +49,23 @@ def main() -> None:
     print("|---:|---|---:|---:|---:|---:|---:|")
     for rows in args.rows:
         for n, k in SHAPES:
-            m = torch.nn.Linear(k, n, bias=False)
-            w, x = m.weight.detach(), torch.randn(rows, k)
-            packed = cpu_kernels.PackedLinear(lib, m) if lib is not None else None
-            w16, x16 = w.to(torch.bfloat16), x.to(torch.bfloat16)
-            q, scale = fastmode.quantize_int8(w)
-            with torch.inference_mode():
-                cols = [_time(lambda: F.linear(x, w)),
-                        _time(lambda: packed.compute(x)) if packed is not None else float("nan"),
-                        _time(lambda: F.linear(x16, w16)),
-                        _time(lambda: torch._weight_int8pack_mm(x, q, scale.float())),
-                        _time(lambda: torch._weight_int8pack_mm(x16, q, scale))]
-            print(f"| {rows} | {n}x{k} | " + " | ".join(f"{c:.3f}" for c in cols) + " |")
+            print(f"| {rows} | {n}x{k} | " + " | ".join(f"{c:.3f}" for c in _row(lib, rows, n, k)) + " |")
+
+
+def _row(lib, rows: int, n: int, k: int) -> list[float]:
+    from workbench.engine.run import cpu_kernels, fastmode
+
+    m = torch.nn.Linear(k, n, bias=False)
+    w, x = m.weight.detach(), torch.randn(rows, k)
+    packed = cpu_kernels.PackedLinear(lib, m) if lib is not None else None
+    w16, x16 = w.to(torch.bfloat16), x.to(torch.bfloat16)
+    q, scale = fastmode.quantize_int8(w)
+    with torch.inference_mode():
+        return [_time(lambda: F.linear(x, w)),
+                _time(lambda: packed.compute(x)) if packed is not None else float("nan"),
+                _time(lambda: F.linear(x16, w16)),
+                _time(lambda: torch._weight_int8pack_mm(x, q, scale.float())),
+                _time(lambda: torch._weight_int8pack_mm(x16, q, scale))]
 
 
 if __name__ == "__main__":
