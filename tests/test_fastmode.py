@@ -114,6 +114,13 @@ def test_replay_of_a_fast_trace_reruns_fast_and_diff_says_which_side_was_not_exa
     with open_trace(paths["exact"]) as a, open_trace(paths["fast"]) as b:
         report = format_report(diff_traces(a, b))
     assert report.startswith("numerics: B ran kernels='fast' (not transformers' numbers")
+    # `workbench diff FAST --against transformers`: the peer's trace is not this engine's (kernels None)
+    from workbench.trace.diff_format import kernels_note
+
+    assert kernels_note("fast", None) == ["numerics: A ran kernels='fast' (not transformers' numbers: bf16/int8 "
+                                          "GEMMs, fused ops); differences from an exact run are expected and are "
+                                          "not a bug of the engine"]
+    assert kernels_note("exact", None) == [] and kernels_note(None, None) == []
 
 
 @pytest.mark.slow

@@ -204,7 +204,7 @@ def kernels_of(trace: Trace) -> str | None:
     """The numerics mode the engine ran (`exact` for traces from before the mode existed); None for
     a trace another program wrote (transformers' reference, an external server)."""
     engine = trace.meta.get("engine")
-    if not isinstance(engine, dict):
+    if not isinstance(engine, dict) or "adapter" in engine:  # transformers' reference names its adapter
         return None
     kernels = engine.get("kernels", "exact")
     return kernels if isinstance(kernels, str) else str(kernels)

@@ -10,10 +10,14 @@ purpose and says so in every trace (the engine config's `kernels` and `cpu_kerne
   stream, norms, softmax, attention and the KV cache stay float32. On a CPU with AVX512-BF16
   (oneDNN's bf16 GEMM) this is 2-3x faster than the fp32 GEMM at 8-32 rows and moves half the
   bytes at one row; on a CPU without it torch emulates bf16 and it is slower (`report()` says
-  which this CPU has, and the load-time timing decides).
+  which this CPU has; nothing switches back by itself).
 - **Fused MLP**: gate and up projections as one GEMM over their concatenated weight, then SiLU and
-  the multiply in place (2 GEMM calls and 1 temporary instead of 3 and 3).
+  the multiply in place (2 GEMM calls instead of 3, 2 temporaries instead of 4).
 - **RMSNorm** through torch's one fused `rms_norm` op instead of transformers' six ops.
+- `kernels="fast-int8"`: the same, with the weights rounded to int8 (symmetric, per output
+  channel): torch's weight-only int8 GEMM (`_weight_int8pack_mm`, bf16 inputs) at up to
+  `INT8_MAX_ROWS` rows, where decode is bound by the bytes read; above, those int8 weights
+  dequantized to bf16 and the bf16 GEMM (the same weights at every row count; the kernel differs).
 
 Everything is switched per forward call (`active()`), not per model: an exact engine sharing the
 same loaded model computes exactly what it did (the wrappers call the original forward when the
@@ -248,6 +252,8 @@ def report(mode: str, installed: dict[str, Any]) -> dict[str, Any]:
         "mlp": f"gate+up as one GEMM, SiLU*up in place in bf16 ({installed['mlps']} MLPs)",
         "rmsnorm": f"torch.rms_norm, one fused op ({installed['norms']} norms)",
         "unchanged": "attention, rotary, residual adds, embeddings and the KV cache (float32, as in exact mode)",
+        "not_used": "exact mode's packed fp32 GEMMs (packed_linear_bytes is what they take where an exact "
+                    "engine runs them; this engine does not call them)",
         "fast_weight_bytes": installed["weight_bytes"],
         "native_bf16": native,
     }
