@@ -81,9 +81,12 @@ INT8_MAX_ROWS = 8  # at most this many rows: torch's weight-only int8 GEMM; abov
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: `weight ~= q * scale[:, None]`, q in [-127, 127]."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+    w = weight.detach().float()  # may be the weight itself: nothing below writes into it
+    scale = torch.linalg.vector_norm(w, ord=float("inf"), dim=1).clamp_(min=1e-12).div_(127.0)
+    q = torch.empty(w.shape, dtype=torch.int8)
+    for start in range(0, w.shape[0], 1024):  # a block at a time: one small float buffer, not a weight-sized one
+        block = slice(start, start + 1024)
+        q[block] = torch.div(w[block], scale[block, None]).round_().clamp_(-127, 127)
     return q, scale.to(torch.bfloat16)
 
 
@@ -96,7 +99,8 @@ class _Weights:
         if int8:
             q, scale = quantize_int8(weight)
             self.int8 = (q, scale)
-            self.weight = (q.float() * scale.float()[:, None]).to(torch.bfloat16)
+            # q * scale is exact in float32 (8-bit by 8-bit mantissas), so one bf16 rounding either way
+            self.weight = q.to(torch.bfloat16).mul_(scale[:, None])
         else:
             self.weight = weight.detach().to(torch.bfloat16)
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
@@ -254,6 +258,7 @@ def report(mode: str, installed: dict[str, Any]) -> dict[str, Any]:
         "unchanged": "attention, rotary, residual adds, embeddings and the KV cache (float32, as in exact mode)",
         "not_used": "exact mode's packed fp32 GEMMs (packed_linear_bytes is what they take where an exact "
                     "engine runs them; this engine does not call them)",
-        "fast_weight_bytes": installed["weight_bytes"],
+        "fast_weight_bytes": installed["weight_bytes"],  # beside the float32 weights, which stay
+        "install_seconds": installed["install_seconds"],
         "native_bf16": native,
     }
