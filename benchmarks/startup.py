@@ -32,6 +32,8 @@ LOAD = ("import time; t0 = time.perf_counter()\n"
 
 
 def _env(**extra: str) -> dict[str, str]:
+    # with cwd=ROOT too: `python -c` and `python -m` put the working directory first on sys.path,
+    # ahead of PYTHONPATH, so run from another checkout they would import that one's workbench
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
@@ -51,7 +53,7 @@ def help_times(repeats: int) -> dict[str, float]:
         for _ in range(repeats):
             t0 = time.perf_counter()
             subprocess.run([*WORKBENCH, *([sub] if sub else []), "--help"], env=_env(), check=True,
-                           stdout=subprocess.DEVNULL, timeout=60)
+                           stdout=subprocess.DEVNULL, timeout=60, cwd=ROOT)
             runs.append(time.perf_counter() - t0)
         out[sub or "(top level)"] = statistics.median(runs)
     return out
@@ -69,7 +71,7 @@ def engine_load(cache: str | None) -> dict[str, float]:
     env = _env(**({"WORKBENCH_CACHE": cache} if cache else {}))
     t0, c0 = time.perf_counter(), _child_cpu()
     done = subprocess.run([sys.executable, "-c", LOAD], env=env, check=True, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, cwd=ROOT)
     wall = time.perf_counter() - t0
     imp, load = (float(x) for x in done.stdout.split()[-2:])
     return {"wall_s": wall, "cpu_s": _child_cpu() - c0, "import_s": imp, "load_s": load}
@@ -80,7 +82,7 @@ def first_token() -> dict[str, float]:
     t0, c0 = time.perf_counter(), _child_cpu()
     proc = subprocess.Popen([*WORKBENCH, "generate", "The capital of France is", "--temperature", "0",
                              "--max-new-tokens", "8"], env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, cwd=ROOT)
     assert proc.stdout is not None
     proc.stdout.read(1)
     first = time.perf_counter() - t0

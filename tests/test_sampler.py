@@ -328,3 +328,27 @@ def test_the_blocked_greedy_argmax_is_torch_argmax_exactly() -> None:
         if trial % 2 == 0:
             x = torch.randn(9, v, generator=gen)  # distinct values: one maximum per row
         assert torch.equal(first_argmax(x), x.argmax(dim=-1)), (trial, v)
+
+
+def test_a_sampler_reused_across_steps_records_what_a_fresh_one_does() -> None:
+    # The sampler keeps its vocabulary-sized buffers between steps (the raw log-softmax and the
+    # stage recorder's scratch). Steps of different batch sizes and mixes, one after another, must
+    # record exactly what a sampler used once records: the buffer never leaks one step into the next.
+    reused = Sampler()
+    steps = [(_logits(seed=s, rows=n), reqs) for s, (n, reqs) in enumerate([
+        (4, [_req(f"g{i}", temperature=0.0) for i in range(4)]),
+        (2, [_req("s", temperature=0.8, top_p=0.9, seed=2), _req("g", temperature=0.0)]),
+        (5, [_req(f"h{i}", temperature=0.0, logprobs=True, top_logprobs=3) for i in range(5)]),
+        (3, [_req("m", temperature=0.7, min_p=0.1, seed=4), *[_req(f"k{i}", temperature=0.0) for i in range(2)]]),
+    ])]
+    for logits, reqs in steps:
+        for r in reqs:
+            r.generator = torch.Generator().manual_seed(9) if r.params.seed is not None else None
+        a = reused(logits, _info(reqs), trace_topk=5)
+        a_lp = a.raw_logprobs.clone()
+        for r in reqs:
+            r.generator = torch.Generator().manual_seed(9) if r.params.seed is not None else None
+        b = Sampler()(logits, _info(reqs), trace_topk=5)
+        assert (a.next_token_ids, a.stages, a.logprobs, a.ranks, a.top_logprobs) == \
+            (b.next_token_ids, b.stages, b.logprobs, b.ranks, b.top_logprobs)
+        assert torch.equal(a_lp, torch.log_softmax(logits.float(), dim=-1))

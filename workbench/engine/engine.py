@@ -46,7 +46,7 @@ from workbench.engine.spec.config import Target
 from workbench.engine.spec.worker import SpecWorker, make_spec_worker
 from workbench.engine.step import StepContext
 from workbench.engine.timing import ReqTiming
-from workbench.models.loader import LoadedModel, load_model
+from workbench.models.loader import LoadedModel, gc_paused, load_model
 from workbench.trace.recorder import MemorySink, Sink, Tracer
 
 
@@ -68,9 +68,10 @@ class Engine(EngineFacts):
                  spec: Any = None, seed: int = 0, prefix_sharing: bool = True, prefix_cache: bool = False,
                  max_model_len: int | None = None, capture: Any = None, kernels: str = "exact") -> None:
         fastmode.check(kernels)  # a bad value fails before the model loads
-        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
+        with gc_paused():  # the load allocates much and frees little (loader.gc_paused)
+            self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
+            self.runner = ModelRunner(self.loaded, kernels=kernels)
         self.tokenizer = self.loaded.tokenizer
-        self.runner = ModelRunner(self.loaded, kernels=kernels)
         self.device = self.loaded.device
         self.vocab_size = self.runner.vocab_size
         if max_running < 1:

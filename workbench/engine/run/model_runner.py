@@ -4,7 +4,8 @@ Owns: switching the HF model to the "workbench" attention function, the packed f
 (`input_ids [1, N]`, per-token `position_ids`, `logits_to_keep` for the rows that need logits) and
 early-exit forwards for self-drafting, and on CPU float32 routing the model's `nn.Linear` layers
 through MKL-packed weights (`cpu_kernels.pack_linears`; the modules and weights are unchanged),
-with the load-time checks that decide where those kernels may run (fastpath.py, `kernel_report`).
+with the load-time checks that decide where those kernels may run (fastpath.py, `kernel_report`),
+and asking each layer's attention variant (variants.py, cached by variants_store.py).
 With `kernels="fast"` (opt-in, not transformers' numbers) it also wraps the linears, MLPs and norms
 with fastmode.py's bf16 / fused forwards and switches them on around each of its forwards.
 Does not own: KV allocation (forward_batch.py) or sampling.
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from workbench.engine.run import attention, cpu_kernels, fastmode, fastpath, variants
+from workbench.engine.run import attention, cpu_kernels, fastmode, fastpath, variants_store
 from workbench.engine.run.forward_batch import ForwardBatch
 from workbench.models.loader import LoadedModel
 
@@ -31,8 +32,9 @@ class ModelRunner:
         attention.register()
         self.loaded = loaded
         self.model = loaded.model
-        # what each layer asks of attention; refuses (ValueError) what attention.py does not compute
-        self.variants = variants.probe(self.model)
+        # what each layer asks of attention; refuses (ValueError) what attention.py does not compute.
+        # A model probed before (same weights, config, code and versions) reuses that probe's result.
+        self.variants, self.variants_source = variants_store.variants_for(self.model, loaded.content_hash)
         self.model.set_attn_implementation(attention.ATTN_NAME)
         self.config = self.model.config
         self.device = loaded.device

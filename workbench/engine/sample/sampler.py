@@ -138,7 +138,8 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]]
     draws: list[float | None]  # the uniform each row used (None for greedy rows)
     stages: list[list[dict[str, Any]]] | None  # per row, one dict per stage (when traced)
-    raw_logprobs: torch.Tensor | None  # [R, V] log-softmax of the model's logits (None: not computed)
+    # [R, V] log-softmax of the model's logits (None: not computed); a buffer the next call overwrites
+    raw_logprobs: torch.Tensor | None
     token_ids_logprobs: list[dict[int, float]]
     forced: list[int] = field(default_factory=list)  # rows whose token was forced (Engine.force_token)
 
@@ -226,13 +227,31 @@ class StageRecorder:
     """Per row, the top-k distribution after every stage (only built when tracing asks for it)."""
 
     def __init__(self, k: int, logits: torch.Tensor, info: SamplingBatchInfo,
-                 logprobs: torch.Tensor | None = None) -> None:
+                 logprobs: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> None:
         self.k = min(k, logits.shape[-1])
         self.info = info
         self.rows: list[list[dict[str, Any]]] = [[] for _ in range(logits.shape[0])]
-        lp = torch.log_softmax(logits, dim=-1) if logprobs is None else logprobs
-        self.prev = lp.exp()
-        self._add("logits", self.prev, self.prev, [True] * logits.shape[0], logprobs=lp)
+        self._lp = torch.log_softmax(logits, dim=-1) if logprobs is None else logprobs
+        self._prev: torch.Tensor | None = None  # the previous record's probabilities, when a stage needs them
+        self._add_model(scratch)
+
+    @property
+    def prev(self) -> torch.Tensor:
+        if self._prev is None:  # the model's own distribution, rebuilt only for the first stage that applies
+            self._prev = self._lp.exp()
+        return self._prev
+
+    def _add_model(self, scratch: torch.Tensor | None) -> None:
+        """The model's own distribution, its top-k and entropy, in one `[R, V]` buffer reused step after
+        step (`scratch`): exp, then top-k, then p * log p in place and the row sums. The same ops as on
+        fresh tensors, so the same values, without two vocabulary-sized allocations per step."""
+        lp = self._lp
+        probs = torch.exp(lp, out=scratch) if scratch is not None else lp.exp()
+        vals, ids = probs.topk(self.k, dim=-1)
+        # log-softmax of the raw (finite) logits: no 0 * -inf to guard
+        entropy = (-(probs.mul_(lp).sum(-1))).tolist()
+        rows, vocab = lp.shape
+        self._append("logits", vals, ids, [1.0] * rows, [vocab] * rows, entropy, [True] * rows)
 
     def record(self, stage: str, x: torch.Tensor) -> None:
         applied = self.info.applied(stage)
@@ -242,21 +261,18 @@ class StageRecorder:
             return
         probs = torch.softmax(x, dim=-1)
         self._add(stage, probs, self.prev, applied, kept=torch.isfinite(x))
-        self.prev = probs
+        self._prev = probs
 
     def _add(self, name: str, probs: torch.Tensor, prev: torch.Tensor, applied: list[bool],
-             kept: torch.Tensor | None = None, logprobs: torch.Tensor | None = None) -> None:
+             kept: torch.Tensor) -> None:
         vals, ids = probs.topk(self.k, dim=-1)
-        if kept is None:  # the model's own distribution: no filter has run, every token is kept
-            counts = [probs.shape[-1]] * probs.shape[0]
-            kept_mass = [1.0] * probs.shape[0]
-        else:
-            counts = kept.sum(-1).tolist()
-            kept_mass = (prev * kept).sum(-1).tolist()
-        if logprobs is not None:  # log-softmax of the raw (finite) logits: no 0 * -inf to guard
-            entropy = (-(probs * logprobs).sum(-1)).tolist()
-        else:
-            entropy = (-torch.special.xlogy(probs, probs).sum(-1)).tolist()  # 0 log 0 = 0
+        counts = kept.sum(-1).tolist()
+        kept_mass = (prev * kept).sum(-1).tolist()
+        entropy = (-torch.special.xlogy(probs, probs).sum(-1)).tolist()  # 0 log 0 = 0
+        self._append(name, vals, ids, kept_mass, counts, entropy, applied)
+
+    def _append(self, name: str, vals: torch.Tensor, ids: torch.Tensor, kept_mass: list[float], counts: list[int],
+                entropy: list[float], applied: list[bool]) -> None:
         for r, (v, i) in enumerate(zip(vals.tolist(), ids.tolist())):
             self.rows[r].append({"name": name, "top_ids": i, "top_probs": v, "kept_mass": kept_mass[r],
                                  "kept_count": counts[r], "entropy": entropy[r], "applied": applied[r]})
@@ -267,6 +283,16 @@ class Sampler:
         if sorted(stage_order) != sorted(STAGES):
             raise ValueError(f"stage_order must be a permutation of {STAGES}, got {tuple(stage_order)}")
         self.stage_order = tuple(stage_order)
+        # [R, V] buffers kept between steps: the raw log-softmax and the stage recorder's scratch
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _buffer(self, slot: str, like: torch.Tensor) -> torch.Tensor:
+        """A reused buffer shaped and typed as `like` (grown, never shrunk: at most the largest batch).
+        What it holds is valid until the next call of this sampler."""
+        s = self._buffers.get(slot)
+        if s is None or s.numel() < like.numel() or s.dtype != like.dtype or s.device != like.device:
+            s = self._buffers[slot] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+        return s[: like.numel()].view(like.shape)
 
     def process(self, logits: torch.Tensor, info: SamplingBatchInfo,
                 recorder: StageRecorder | None = None) -> torch.Tensor:
@@ -334,8 +360,9 @@ class Sampler:
             ids, forced = _force(first_argmax(logits), info)
             return SamplerOutput(ids.tolist(), [math.nan] * rows, [0] * rows, [[] for _ in range(rows)],
                                  [None] * rows, None, None, [{} for _ in range(rows)], forced)
-        raw_lp = torch.log_softmax(logits, dim=-1)
-        recorder = StageRecorder(trace_topk, logits, info, raw_lp) if trace_topk and rows else None
+        raw_lp = torch.log_softmax(logits, dim=-1, out=self._buffer("raw_logprobs", logits))
+        recorder = StageRecorder(trace_topk, logits, info, raw_lp, self._buffer("stages", logits)) \
+            if trace_topk and rows else None
         if info.needs_stages or (recorder is not None and info.any_stage_applied()):
             final = self.process(logits, info, recorder)
             ids, u = self.draw(self._final_probs(final, info), info)
