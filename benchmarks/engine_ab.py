@@ -6,7 +6,7 @@ Each run is its own process with that tree first on `sys.path` (so each imports 
 and times `benchmarks/throughput.py`'s engine run of that tree (untraced unless `--trace-a` / `--trace-b`
 say otherwise: `--a . --b . --trace-b summary` is what tracing costs). Rounds alternate A B, B A,
 ... so a burst of load on a shared machine hits both; the result is the median of the per-round
-ratios B / A (above 1: B is faster), by wall clock and by the process's CPU time (tokens per
+ratios B / A (above 1: B is faster; `--kernels-b fast`: the fast mode against exact), by wall clock and by the process's CPU time (tokens per
 CPU-second, one thread by default: what a loaded machine distorts least). Use it for "throughput unchanged by a refactor" claims.
 """
 
@@ -30,14 +30,15 @@ assert workbench.__file__.startswith({tree!r}), workbench.__file__
 import time
 loaded = load_model({model!r}, device="cpu")
 cpu = time.process_time()
-r = bench_engine(loaded, chat_prompts({prompts}), {new}, trace_level={trace!r})
+r = bench_engine(loaded, chat_prompts({prompts}), {new}, trace_level={trace!r}, **{extra!r})
 r["cpu_s"] = time.process_time() - cpu  # includes the engine's set-up and a 2-prompt warm-up
 print(json.dumps(r))
 """
 
 
-def run(tree: Path, args: argparse.Namespace, trace: str = "off") -> dict[str, float]:
-    code = RUN.format(tree=str(tree), model=args.model, prompts=args.prompts, new=args.new, trace=trace)
+def run(tree: Path, args: argparse.Namespace, trace: str = "off", kernels: str = "exact") -> dict[str, float]:
+    extra = {} if kernels == "exact" else {"kernels": kernels}  # a tree from before the mode takes no kernels=
+    code = RUN.format(tree=str(tree), model=args.model, prompts=args.prompts, new=args.new, trace=trace, extra=extra)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tree,
                          env={**os.environ, "PYTHONPATH": str(tree), "TOKENIZERS_PARALLELISM": "false",
                               "OMP_NUM_THREADS": str(args.threads)})
@@ -60,13 +61,17 @@ def main() -> None:
     ap.add_argument("--trace-a", default="off", choices=["off", "summary", "full"], help="A's trace level")
     ap.add_argument("--trace-b", default="off", choices=["off", "summary", "full"],
                     help="B's trace level (--a . --b . --trace-b summary: what tracing costs)")
+    ap.add_argument("--kernels-a", default="exact", choices=["exact", "fast", "fast-int8"], help="A's numerics mode")
+    ap.add_argument("--kernels-b", default="exact", choices=["exact", "fast", "fast-int8"],
+                    help="B's numerics mode (--a . --b . --kernels-b fast: what the fast mode buys)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     a_tree, b_tree = args.a.resolve(), args.b.resolve()
     rounds = []
     for i in range(args.rounds):
         order = [("a", a_tree), ("b", b_tree)] if i % 2 == 0 else [("b", b_tree), ("a", a_tree)]
-        r = {name: run(tree, args, args.trace_a if name == "a" else args.trace_b) for name, tree in order}
+        r = {name: run(tree, args, args.trace_a if name == "a" else args.trace_b,
+                       args.kernels_a if name == "a" else args.kernels_b) for name, tree in order}
         rounds.append(r)
         a, b = r["a"], r["b"]
         print(f"round {i + 1}: wall A {a['tok_s']:7.1f} B {b['tok_s']:7.1f} tok/s (B/A {b['tok_s'] / a['tok_s']:.3f}); "

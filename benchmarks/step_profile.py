@@ -1,9 +1,11 @@
 """Where one decode step's time goes, at batch 1, 8 and 32: the model's GEMMs, attention, the rest
 of the model's ops, the sampler, batch building, output processing (detokenizer, finish checks),
-tracing, and the Python around them.
+tracing, and the Python around them. `--kernels exact fast` profiles both numerics modes, alternating
+per batch size in one process (same model, same moment: a same-round comparison); in fast mode the
+fused MLP (its SiLU*up included) counts as "gemm".
 
     python benchmarks/step_profile.py [--model smollm2] [--batches 1 8 32] [--steps 24] [--trace off]
-        [--threads N] [--clock wall|cpu]
+        [--threads N] [--clock wall|cpu] [--kernels exact [fast]]
 
 Each batch size starts that many chat requests (greedy, ignore_eos), runs until every request is
 decoding, then times `--steps` decode steps with timers wrapped around the pipeline's functions.
@@ -82,6 +84,10 @@ def instrument(engine, timers: Timers) -> contextlib.ExitStack:
     stack.enter_context(patched(engine.scheduler, "schedule", timers.wrap("schedule", engine.scheduler.schedule)))
     stack.enter_context(patched(cpu_kernels.PackedLinear, "__call__",
                                 timers.wrap("gemm", cpu_kernels.PackedLinear.__call__)))
+    from workbench.engine.run import fastmode
+
+    for cls in (fastmode.FastLinear, fastmode.FastMLP):  # fast mode's GEMMs (they call PackedLinear when off)
+        stack.enter_context(patched(cls, "__call__", timers.wrap("gemm", cls.__call__)))
     timed_attention = timers.wrap("attention", attention.workbench_attention)
     AttentionInterface.register(attention.ATTN_NAME, timed_attention)
     stack.callback(AttentionInterface.register, attention.ATTN_NAME, attention.workbench_attention)
@@ -98,13 +104,14 @@ def instrument(engine, timers: Timers) -> contextlib.ExitStack:
 
 
 def profile_batch(loaded, batch: int, steps: int, trace_level: str, new: int = 100,
-                  clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+                  clock: Callable[[], float] = time.perf_counter, kernels: str = "exact") -> dict[str, float]:
     from benchmarks.throughput import chat_prompts
     from workbench.engine.engine import Engine
     from workbench.engine.sample.sampling_params import SamplingParams
 
     # a KV pool sized for the run, not the default 1 GiB: the machine is shared
-    engine = Engine(loaded, trace_level=trace_level, trace=None, max_running=max(batch, 1), kv_tokens=batch * 600)
+    engine = Engine(loaded, trace_level=trace_level, trace=None, max_running=max(batch, 1), kv_tokens=batch * 600,
+                    kernels=kernels)
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
     for p in chat_prompts(batch):
         engine.add_request(p, params)
@@ -143,6 +150,8 @@ def main() -> None:
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                     help="cpu: the main thread's CPU time (time.thread_time), which time spent descheduled on a "
                     "shared machine does not inflate; only meaningful with --threads 1")
+    ap.add_argument("--kernels", nargs="+", default=["exact"], choices=["exact", "fast", "fast-int8"],
+                    help="numerics modes to profile, alternated per batch size (default: exact)")
     args = ap.parse_args()
     import torch
 
@@ -155,9 +164,12 @@ def main() -> None:
     cols = [*PARTS, "schedule", "python", "step_mean", "step_median"]
     rows = {}
     for b in args.batches:
-        print(f"batch {b}: profiling {args.steps} decode steps (trace {args.trace})...", file=sys.stderr, flush=True)
-        rows[b] = profile_batch(loaded, b, args.steps, args.trace,
-                                clock=time.thread_time if args.clock == "cpu" else time.perf_counter)
+        for mode in args.kernels:
+            print(f"batch {b}: profiling {args.steps} decode steps (trace {args.trace}, kernels {mode})...",
+                  file=sys.stderr, flush=True)
+            name = b if len(args.kernels) == 1 else f"{b} {mode}"
+            rows[name] = profile_batch(loaded, b, args.steps, args.trace, kernels=mode,
+                                       clock=time.thread_time if args.clock == "cpu" else time.perf_counter)
     load = os.getloadavg()
     print(f"\nms per decode step ({args.clock} clock), {args.model}, trace {args.trace}, {torch.get_num_threads()} "
           f"threads, {platform.processor() or platform.machine()}, load average {load[0]:.2f} at the end\n")

@@ -7,6 +7,7 @@ ceiling, measured in the same run (limits.py).
 
     python benchmarks/throughput.py [--prompts 32] [--new 64] [--repeat 2] [--batch 1 32] [--stop both]
     python benchmarks/throughput.py --peers none      # only this engine and transformers
+    python benchmarks/throughput.py --peers none --skip-trace --kernels fast fast-int8   # + the fast modes
 
 vLLM and llama.cpp run in their own environments (peers.py): WORKBENCH_VLLM_PYTHON /
 WORKBENCH_LLAMACPP_PYTHON, else `.venv-vllm` / `.venv-llamacpp` at the repository root (make
@@ -146,6 +147,9 @@ def local_runs(loaded, prompts, new: int, eos: bool, batch: int, args, tmp: str)
         path = os.path.join(tmp, "summary.wbtrace")
         runs.append(("engine (trace summary)", lambda: each(lambda ps: bench_engine(loaded, ps, new, "summary", path,
                                                                                    eos=eos))))
+    for kernels in getattr(args, "kernels", []):  # the opt-in non-exact numerics modes (run/fastmode.py)
+        runs.append((f"engine (kernels {kernels})", lambda k=kernels: each(
+            lambda ps: bench_engine(loaded, ps, new, eos=eos, kernels=k))))
     if args.kernels_off:
         runs.append(("engine (no CPU kernels)", lambda: each(lambda ps: bench_engine(loaded, ps, new, eos=eos,
                                                                                     cpu_kernels=False))))
@@ -169,6 +173,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-trace", action="store_true", help="no engine run at trace summary")
     ap.add_argument("--kernels-off", action="store_true", help="also the engine without its CPU kernels")
+    ap.add_argument("--kernels", nargs="+", default=[], choices=["fast", "fast-int8"],
+                    help="also the engine in these non-exact numerics modes (same rounds)")
     ap.add_argument("--peers", nargs="+", default=list(PEERS), help=f"any of {PEERS}, or none")
     ap.add_argument("--json", default=None)
     ap.add_argument("--repeat", type=int, default=2, help="rounds; each runner runs once per round")
@@ -246,6 +252,15 @@ def report(args, loaded, limits, rounds: dict) -> None:
             print(f"| {name} | {max(ok):.1f} | {med:.2f}x ({', '.join(f'{x:.2f}' for x in ratios)}) |")
             scen["runs"][name] = {"tok_s": ok, "tokens": [r["tokens"] for r in rs if "error" not in r],
                                   "ratio_median": med}
+        hf = by_name.get("transformers generate() static batch")
+        for name, rs in by_name.items():
+            if name.startswith("engine (kernels") and hf:
+                ratios = [r["tok_s"] / h["tok_s"] for r, h in zip(rs, hf) if "error" not in r and "error" not in h]
+                print(f"{name} / transformers generate() static: same-round median {statistics.median(ratios):.2f}x "
+                      f"({', '.join(f'{x:.2f}' for x in ratios)})")
+            if name.startswith("engine (kernels") and batch == 1:
+                print(f"{name} at batch 1: {max(r['tok_s'] for r in rs) / limits.floor_tok_s:.0%} of the float32 "
+                      "bandwidth floor (its weights are bf16 / int8: fewer bytes than that floor assumes)")
         if batch == 1:
             best = max(r["tok_s"] for r in by_name[ENGINE] if "error" not in r)
             print(f"engine at batch 1: {best / limits.floor_tok_s:.0%} of the bandwidth floor's "

@@ -154,6 +154,13 @@ def grid(headers: Sequence[str], rows: Sequence[Sequence[str]], caps: dict[int, 
 BRANCH_MARK = "⑂"  # marks a fork's branch point (a forced token, the fork in the status line)
 
 
+def kernels_label(meta: dict) -> str | None:
+    """`⚠ kernels=fast (not exact)` when the engine ran a non-exact numerics mode, else None."""
+    engine = meta.get("engine")
+    kernels = engine.get("kernels", "exact") if isinstance(engine, dict) else None
+    return None if kernels in (None, "exact") else f"⚠ kernels={kernels} (not exact)"
+
+
 def fork_label(meta: dict) -> str | None:
     """`⑂ fork of parent.wbtrace at req-3:5 (forced 'x', set temperature=0)` for a fork trace, else None."""
     fork = meta.get("fork")

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
-from tui.fmt import fork_label
+from tui.fmt import fork_label, kernels_label
 from tui.inside import load_inside
 from tui.stepview import RequestData, StepView
 from tui.vocab import Vocab, load_tokenizer, tokenizer_folder
@@ -63,6 +63,8 @@ class TraceModel:
         if self.meta.get("source") == "external" and isinstance(model, dict):
             label = f"{label} · external {model.get('served_by', '')}"
         title = f"{self.name} · {label}" if label else self.name
+        kernels = kernels_label(self.meta)  # a fast (non-exact) numerics mode says so in the header
+        title = f"{title} · {kernels}" if kernels else title
         fork = fork_label(self.meta)  # a fork names its parent and branch point
         return f"{title} · {fork}" if fork else title
 

@@ -34,6 +34,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--trace", default=None, help="record a .wbtrace file")
     p.add_argument("--trace-level", default="summary", choices=["off", "summary", "full"])
+    p.add_argument("--kernels", default="exact", choices=["exact", "fast", "fast-int8"],
+                   help="numerics: exact (default, transformers' numbers), fast (bf16 GEMMs, fused MLP and norm) "
+                        "or fast-int8 (int8 weights); the fast ones are faster on CPU and their output can differ")
 
 
 @contextlib.contextmanager
@@ -68,7 +71,8 @@ def _make_engine(args: argparse.Namespace, trace: str | None = None):
 
         return Engine(args.model, device=args.device, spec=args.spec, chunk_size=args.chunk_size,
                   max_batch_tokens=args.max_batch_tokens, trace=trace if trace is not None else args.trace,
-                  trace_level=args.trace_level if (trace or args.trace) else "off")
+                  trace_level=args.trace_level if (trace or args.trace) else "off",
+                  kernels=getattr(args, "kernels", "exact"))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -85,6 +89,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # collection does not traverse it all (0.2-0.3 s) before the first token. Unfrozen at the
         # end, so the exit collects as usual (triton's bindings complain of leaks otherwise).
         gc.freeze()
+    if engine.config.kernels != "exact":
+        print(f"kernels={engine.config.kernels}: not transformers' numbers; the output can differ from the default "
+              "(exact) mode", file=sys.stderr)
     try:
         prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
         final = None

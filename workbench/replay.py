@@ -20,7 +20,7 @@ from typing import Any
 from workbench.rerun import build_engine, parse_value, recorded_requests, run_recorded
 from workbench.trace import events as ev
 from workbench.trace.diff import verdict
-from workbench.trace.diff_format import fmt_top
+from workbench.trace.diff_format import fmt_top, kernels_note
 from workbench.trace.reader import open_trace
 
 COMPARE = ("steps", "tokens", "outputs")
@@ -78,6 +78,7 @@ class ReplayReport:
     compare: str = "steps"
     step_divergence: Divergence | None = None  # the first step-level difference (any level)
     out: str | None = None
+    kernels: tuple[str, str] = ("exact", "exact")  # the numerics mode (recorded, replayed)
 
     @property
     def identical(self) -> bool:
@@ -95,7 +96,8 @@ class ReplayReport:
                 who = f" for {d.req_id}" if d.req_id else ""
                 text += (f"\n  the steps differ from step {d.step}{who} (stage {d.stage!r}, field {d.field!r}), "
                          f"following from {d.cause or 'no override'}")
-        return text + (f"\nreplayed run saved to {self.out}" if self.out else "")
+        note = kernels_note(*self.kernels, names=("recorded", "replayed"))
+        return "\n".join([*note, text]) + (f"\nreplayed run saved to {self.out}" if self.out else "")
 
 
 def _short(x: Any, n: int = 160) -> str:
@@ -266,6 +268,8 @@ def replay(path: str, *, overrides: list[str] | None = None, tolerance: float = 
                              "score it with: workbench check TRACE --reference MODEL")
         engine_cfg = _meta_object(trace, "engine")
         _meta_object(trace, "model")  # a damaged one stops here, naming the file
+        engine_cfg.setdefault("kernels", "exact")  # traces from before the mode ran exact
+        recorded_kernels = str(engine_cfg["kernels"])
         requests = recorded_requests(trace)
         if not requests:
             raise ValueError(f"trace {path!r} records no requests: nothing to replay")
@@ -303,7 +307,8 @@ def replay(path: str, *, overrides: list[str] | None = None, tolerance: float = 
     if divergence is not None and divergence is not first:
         divergence.cause = _cause(divergence, overrides)
     steps = compared if compare == "steps" else engine.step_no  # tokens/outputs: every step ran and counted
-    return ReplayReport(steps, tokens, max_delta, divergence, time.perf_counter() - t0, compare, first, out)
+    return ReplayReport(steps, tokens, max_delta, divergence, time.perf_counter() - t0, compare, first, out,
+                        (recorded_kernels, engine.config.kernels))
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """The engine's configuration as one typed record (`EngineConfig`), as a trace's run metadata shows it.
 
-Owns: `EngineConfig` and `CpuKernels` (which native paths ran, so a trace says it: a replay elsewhere
-may take the torch paths) and their JSON form, `to_dict()`, whose keys and order are the `engine`
+Owns: `EngineConfig` (with `kernels`, the numerics mode: "exact" or the opt-in "fast") and
+`CpuKernels` (which native paths ran, so a trace says it: a replay elsewhere may take the torch paths) and their JSON form, `to_dict()`, whose keys and order are the `engine`
 entry of every trace's meta (the example traces in traces/ depend on it). Does not own: validating
 the arguments (Engine.__init__ and the parts it builds) or the speculative config (spec/config.py).
 """
@@ -37,6 +37,9 @@ class EngineConfig:
     prefix_sharing: bool
     prefix_cache: bool
     spec: str | dict[str, Any] | None  # as given, or the SpecConfig's dict
+    # "exact" (the default: transformers' numbers) or "fast" (run/fastmode.py: bf16 GEMMs and fused
+    # ops, output may differ; cpu_kernels.checks["fast"] says what ran). Traces before it: "exact".
+    kernels: str
     cpu_kernels: CpuKernels
 
     def to_dict(self) -> dict[str, Any]:

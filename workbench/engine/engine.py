@@ -29,7 +29,7 @@ from workbench.engine.output.output import RequestOutput, StepOutput
 from workbench.engine.output.postprocess import OutputProcessor
 from workbench.engine.output.stage import NewTokens, OutputStage
 from workbench.engine.prompts import Prompt, as_prompt_list, tokenize_prompt
-from workbench.engine.run import cpu_kernels, variants
+from workbench.engine.run import cpu_kernels, fastmode, variants
 from workbench.engine.run.capture import Capturer
 from workbench.engine.run.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from workbench.engine.run.model_runner import ModelRunner
@@ -66,10 +66,11 @@ class Engine(EngineFacts):
                  max_running: int = 64, enable_mixed: bool = True, trace: str | None = None,
                  trace_level: str = "summary", trace_topk: int = 10, trace_sinks: list[Sink] | None = None,
                  spec: Any = None, seed: int = 0, prefix_sharing: bool = True, prefix_cache: bool = False,
-                 max_model_len: int | None = None, capture: Any = None) -> None:
+                 max_model_len: int | None = None, capture: Any = None, kernels: str = "exact") -> None:
+        fastmode.check(kernels)  # a bad value fails before the model loads
         with gc_paused():  # the load allocates much and frees little (loader.gc_paused)
             self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
-            self.runner = ModelRunner(self.loaded)
+            self.runner = ModelRunner(self.loaded, kernels=kernels)
         self.tokenizer = self.loaded.tokenizer
         self.device = self.loaded.device
         self.vocab_size = self.runner.vocab_size
@@ -98,7 +99,7 @@ class Engine(EngineFacts):
             chunk_size=chunk_size, kv_tokens=kv_tokens, max_running=max_running, enable_mixed=enable_mixed,
             trace_topk=trace_topk, seed=seed, prefix_sharing=prefix_sharing, prefix_cache=prefix_cache,
             spec=spec if isinstance(spec, (str, dict, type(None))) else getattr(spec, "to_dict", spec.__str__)(),
-            cpu_kernels=CpuKernels(cpu_fp32 and cpu_kernels.available(), self.runner.packed_bytes,
+            kernels=kernels, cpu_kernels=CpuKernels(cpu_fp32 and cpu_kernels.available(), self.runner.packed_bytes,
                                    self.runner.kernel_report()["checks"]))
         self.trace_topk = trace_topk
         self.prefix_sharing = prefix_sharing

@@ -120,6 +120,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--spec", default=None, help="speculative decoding, workbench form: ngram:k=4, draft:MODEL:k=4")
     g.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
                    help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--kernels", default="exact", choices=("exact", "fast", "fast-int8"),
+                   help="numerics: exact (default: transformers' numbers), fast (bf16 GEMMs, fused MLP and norm) or "
+                        "fast-int8 (int8 weights); CPU float32 only; the fast ones' output can differ")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own (default: 0)")
     o = parser.add_argument_group("tool calls (vLLM names)")
     o.add_argument("--tool-call-parser", default="hermes", choices=("hermes", "llama3_json", "mistral", "pythonic"),
@@ -150,10 +153,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             spec = parse_spec(spec)
         except ValueError as exc:
             raise ValueError(f"--speculative-config: {exc}") from None
+    kernels = get("kernels", "exact")
+    if kernels != "exact" and DTYPES.get(get("dtype", "auto")) not in (None, "float32"):
+        raise ValueError(f"--kernels {kernels} replaces a float32 model's GEMMs; it cannot run with --dtype "
+                         f"{get('dtype', 'auto')} (use --dtype float32 or auto)")
     kw = {"max_running": get("max_running", 64), "kv_tokens": get("kv_tokens", None),
           "max_batch_tokens": get("max_batch_tokens", 2048), "chunk_size": get("chunk_size", 512),
           "prefix_cache": get("prefix_cache", False), "spec": spec, "dtype": DTYPES[get("dtype", "auto")],
-          "seed": get("seed", 0)}
+          "seed": get("seed", 0), "kernels": kernels}
     if get("max_model_len", None) is not None:
         kw["max_model_len"] = args.max_model_len
     return kw

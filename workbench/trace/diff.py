@@ -100,6 +100,8 @@ class DiffReport:
     only_in_a: list[str]
     only_in_b: list[str]
     fork: dict[str, Any] | None = None  # B's (or A's) fork meta when one is a fork of the other
+    # each side's numerics mode (meta engine.kernels: "exact", "fast", ...; None: not this engine's trace)
+    kernels: tuple[str | None, str | None] = (None, None)
 
     @property
     def first_divergence(self) -> PositionDiff | None:
@@ -195,7 +197,17 @@ def diff_traces(a: Trace, b: Trace, tolerance: float = 1e-3) -> DiffReport:
         pairs = list(zip(ids_a, ids_b))
         only_a, only_b = ids_a[len(pairs):], ids_b[len(pairs):]
     reqs = [_diff_request(ra, rb, toks_a.get(ra, []), toks_b.get(rb, []), tolerance) for ra, rb in pairs]
-    return DiffReport(reqs, only_a, only_b, _fork_of(b, a) or _fork_of(a, b))
+    return DiffReport(reqs, only_a, only_b, _fork_of(b, a) or _fork_of(a, b), (kernels_of(a), kernels_of(b)))
+
+
+def kernels_of(trace: Trace) -> str | None:
+    """The numerics mode the engine ran (`exact` for traces from before the mode existed); None for
+    a trace another program wrote (transformers' reference, an external server)."""
+    engine = trace.meta.get("engine")
+    if not isinstance(engine, dict) or "adapter" in engine:  # transformers' reference names its adapter
+        return None
+    kernels = engine.get("kernels", "exact")
+    return kernels if isinstance(kernels, str) else str(kernels)
 
 
 def _fork_of(child: Trace, parent: Trace) -> dict[str, Any] | None:

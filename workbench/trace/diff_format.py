@@ -46,6 +46,19 @@ def _fork_lines(report: DiffReport) -> list[str]:
         ["  (the fork ran without speculative decoding, which the parent used)"] if fork.get("spec_disabled") else [])
 
 
+def kernels_note(a: str | None, b: str | None, names: tuple[str, str] = ("A", "B")) -> list[str]:
+    """A line saying that a side ran a fast (non-exact) numerics mode, so no comparison reads as exact."""
+    fast = [(n, k) for n, k in zip(names, (a, b)) if k not in (None, "exact")]
+    if not fast:
+        return []
+    who = " and ".join(f"{n} ran kernels={k!r}" for n, k in fast)
+    if len(fast) == 2 and a == b:
+        return [f"numerics: {who}: both sides use the same non-exact kernels, so agreement here is agreement "
+                "with itself, not with transformers' numbers"]
+    return [f"numerics: {who} (not transformers' numbers: bf16/int8 GEMMs, fused ops); differences from an exact "
+            "run are expected and are not a bug of the engine"]
+
+
 def _row(r: RequestDiff) -> str:
     kl = "n/a" if r.mean_kl is None else f"{r.mean_kl:.2e}"
     return (f"{r.req_id:<16} {r.compared:>8} {r.len_a:>6} {r.len_b:>6} {r.max_logprob_delta:>9.2e} "
@@ -53,7 +66,7 @@ def _row(r: RequestDiff) -> str:
 
 
 def format_report(report: DiffReport) -> str:
-    lines = []
+    lines = kernels_note(*report.kernels)
     if report.fork:
         lines += _fork_lines(report)
     first = report.first_divergence

@@ -239,6 +239,11 @@ def disabled(model: torch.nn.Module | None = None) -> Iterator[None]:
                if isinstance(m, torch.nn.Linear) and isinstance(m.forward, PackedLinear)]
     for p in packers:
         del p.module.forward  # back to nn.Linear.forward
+    # fast mode's wrappers (fastmode.FastLinear) call a packed forward of their own when the mode is off
+    wrapped = [m.forward for m in (model.modules() if model is not None else ())
+               if isinstance(m, torch.nn.Linear) and isinstance(getattr(m.forward, "inner", None), PackedLinear)]
+    for w in wrapped:
+        w.inner, w.saved_inner = None, w.inner
     packed_bytes = getattr(model, "_workbench_packed_bytes", None)
     if packed_bytes is not None:
         model._workbench_packed_bytes = 0  # an Engine built meanwhile reports (and packs) nothing
@@ -247,6 +252,8 @@ def disabled(model: torch.nn.Module | None = None) -> Iterator[None]:
     finally:
         for p in packers:
             p.module.forward = p
+        for w in wrapped:
+            w.inner = w.saved_inner
         if packed_bytes is not None:
             model._workbench_packed_bytes = packed_bytes
         with _lock:

@@ -6,6 +6,8 @@ early-exit forwards for self-drafting, and on CPU float32 routing the model's `n
 through MKL-packed weights (`cpu_kernels.pack_linears`; the modules and weights are unchanged),
 with the load-time checks that decide where those kernels may run (fastpath.py, `kernel_report`),
 and asking each layer's attention variant (variants.py, cached by variants_store.py).
+With `kernels="fast"` (opt-in, not transformers' numbers) it also wraps the linears, MLPs and norms
+with fastmode.py's bf16 / fused forwards and switches them on around each of its forwards.
 Does not own: KV allocation (forward_batch.py) or sampling.
 """
 
@@ -16,13 +18,17 @@ from typing import Any
 
 import torch
 
-from workbench.engine.run import attention, cpu_kernels, fastpath, variants_store
+from workbench.engine.run import attention, cpu_kernels, fastmode, fastpath, variants_store
 from workbench.engine.run.forward_batch import ForwardBatch
 from workbench.models.loader import LoadedModel
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, kernels: str = fastmode.DEFAULT) -> None:
+        self.kernels = fastmode.check(kernels)
+        if kernels != "exact" and (loaded.device != "cpu" or loaded.model.dtype != torch.float32):
+            raise ValueError(f"kernels={kernels!r} replaces the GEMMs of a CPU float32 model; this model is "
+                             f"{loaded.device} {str(loaded.model.dtype).removeprefix('torch.')} (use kernels='exact')")
         attention.register()
         self.loaded = loaded
         self.model = loaded.model
@@ -45,21 +51,32 @@ class ModelRunner:
         if self.cpu_fp32:
             heads = int(self.config.num_attention_heads)
             cpu_kernels.check_attention(heads, self.kv_heads, self.head_dim)
+        # fast mode's wrappers go on after the packed linears (they call those when the mode is off)
+        self.fast = fastmode.install(self.model, self.kernels) if self.kernels != "exact" else None
 
     def kernel_report(self) -> dict[str, Any]:
         """Which native paths may run and why, for the engine config / trace meta. The first two keys
         are the ones older readers know; "checks" is fastpath.py's verdicts on this CPU so far."""
+        checks = fastpath.CHECKS.report()
+        if self.fast is not None:
+            checks["fast"] = fastmode.report(self.kernels, self.fast)
         return {"decode_attention": self.cpu_fp32 and cpu_kernels.available(),
-                "packed_linear_bytes": self.packed_bytes, "checks": fastpath.CHECKS.report()}
+                "packed_linear_bytes": self.packed_bytes, "checks": checks}
 
     @property
     def attention_variants(self) -> list[dict]:
         """Per layer: `{layer, window (None = full), softcap, sinks, scaling}` (variants.py)."""
         return [v.as_dict() for v in self.variants]
 
-    @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits `[len(fb.logits_rows), vocab]` in float32 for the kept rows."""
+        if self.fast is None:
+            return self._forward(fb)
+        with fastmode.active(self.kernels):
+            return self._forward(fb)
+
+    @torch.inference_mode()
+    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         if fb.layer_limit is not None:
             return self._forward_early_exit(fb)
         with fb.capture.hooks() if fb.capture is not None else contextlib.nullcontext():
