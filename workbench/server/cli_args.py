@@ -254,7 +254,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from workbench.server.drain import FLUSH_WAIT, DrainingServer
     from workbench.server.guard import redact_access_log
-    from workbench.server.heap import commit_kv_pool, pin_mmap_threshold
+    from workbench.server.heap import pin_mmap_threshold
 
     if not is_loopback(args.host) and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use the engine",
@@ -266,8 +266,6 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"workbench serve: error: {exc}", file=sys.stderr)
         return 2
     state = app.state.workbench
-    took = commit_kv_pool(engine.memory)  # the idle RSS includes the whole pool, as after any burst (heap.py)
-    log.info("KV pool committed in %.2f s", took)
     # Everything loaded so far (model, tokenizer, app) lives as long as the process: freeze it so that
     # the collector never rescans it, and a full collection cannot pause a stream (as vLLM does)
     gc.collect()

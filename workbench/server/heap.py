@@ -1,9 +1,8 @@
 """Giving a server's memory back when it goes idle, and reading where its resident memory lies.
 
 Owns: `release_idle_memory` (the engine thread calls it when the engine goes idle: a full garbage
-collection, then glibc's `malloc_trim`), `pin_mmap_threshold` (glibc's `mallopt` at serve start),
-`commit_kv_pool` (the KV pool's pages resident from serve start) and `resident_by_kind` (a
-process's RSS split by mapping kind from /proc/PID/smaps, for the admission benchmark and its test). Does not own: when the engine is idle (engine_loop.py).
+collection, then glibc's `malloc_trim`), `pin_mmap_threshold` (glibc's `mallopt` at serve start) and `resident_by_kind` (a process's RSS
+split by mapping kind from /proc/PID/smaps, for the admission benchmark and its test). Does not own: when the engine is idle (engine_loop.py).
 
 Why a collection: a request that ends by its client leaving leaves garbage in reference cycles
 (the exception and traceback of the cancelled handler, its frames, and whatever they hold: for a
@@ -18,9 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import time
 from pathlib import Path
-from typing import Any
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 MMAP_THRESHOLD = 128 << 10  # glibc's own starting value
@@ -69,16 +66,3 @@ def resident_by_kind(pid: int) -> dict[str, float]:
             out[kind] += int(first[1]) / 1024
     return out
 
-
-def commit_kv_pool(memory: Any) -> float:
-    """Write every page of a CPU KV pool once at serve start (as vLLM reserves its pool up front) and
-    return the seconds it took. The pool is allocated with `torch.empty` so that a one-shot
-    `workbench generate` never pays for pages it does not use; a server, though, hands its slots out
-    round the whole pool (freed slots go to the back of the free list), so without this its RSS
-    grows by pool pages burst after burst until the pool is all resident, which reads as a leak. The
-    values do not matter: a slot is written before it is read (sched/memory.py)."""
-    t0 = time.perf_counter()
-    for tensor in (*memory.kv.k, *memory.kv.v):
-        if tensor.device.type == "cpu":
-            tensor[1:].zero_()  # row 0, the padding row, is zero already
-    return time.perf_counter() - t0
