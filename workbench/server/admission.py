@@ -60,7 +60,7 @@ class Job:
     prompts: list[Any]
     bases: list[str]
     params: SamplingParams
-    owner: Any = None  # the handle its outputs go to (engine_loop.py)
+    owner: Any = None  # a weak reference to the handle its outputs go to (engine_loop.py)
     first: Future = field(default_factory=Future)  # set once the first window is in (or it failed)
     next: int = 0  # index of the next prompt to add
     in_engine: int = 0  # admitted requests that have not finished

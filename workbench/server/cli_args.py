@@ -261,10 +261,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from workbench.server.drain import FLUSH_WAIT, DrainingServer
     from workbench.server.guard import redact_access_log
+    from workbench.server.heap import pin_mmap_threshold
 
     if not is_loopback(args.host) and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use the engine",
                     args.host)
+    pin_mmap_threshold()  # before the model and the threads: see server/heap.py
     try:
         engine, app = build_server(args)
     except ValueError as exc:

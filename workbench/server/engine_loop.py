@@ -15,6 +15,7 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from workbench.engine.output.output import RequestOutput, StepOutput, TokenLogpr
 from workbench.engine.sample.sampling_params import SamplingParams
 from workbench.engine.sched.request import Req
 from workbench.server.admission import AdmissionLimits, Admitter, Job
+from workbench.server.heap import release_idle_memory
 from workbench.server.output_buffer import OutputBuffer, StreamLimits
 from workbench.trace.events import Stamp
 from workbench.trace.latency import Handoff
@@ -170,8 +172,11 @@ class EngineLoop:
         ids = [b if params.n == 1 else f"{b}-{i}" for b in bases for i in range(params.n)]
         handle = RequestHandle(ids, self.limits)
         handle.queue.bounded = stream  # the buffer limit guards against slow clients: streams only
-        handle.queue.on_overflow = lambda reason: self.abort(handle, reason)
-        handle.job = Job(list(prompts), bases, params, owner=handle)
+        # weak references back to the handle: no reference cycle, so the handle (for a 5,000-prompt x n=16
+        # request, 80,000 ids) is freed when its handler ends, not at some later full collection
+        ref = weakref.ref(handle)
+        handle.queue.on_overflow = lambda reason: self._overflowed(ref, reason)
+        handle.job = Job(list(prompts), bases, params, owner=ref)
         for rid in ids:
             self._handles[rid] = handle
         try:
@@ -188,12 +193,20 @@ class EngineLoop:
         self._wake.set()
         return handle
 
+    def _overflowed(self, ref: weakref.ref[RequestHandle], reason: str) -> None:
+        handle = ref()
+        if handle is not None:
+            self.abort(handle, reason)
+
     def _job_failed(self, job: Job, message: str) -> None:
         """Admission thread: a later prompt was refused; end the request with an error item."""
         for rid in job.admitted:
             self.engine.abort(rid, "a sibling prompt was rejected")
+        handle = job.owner()
+        if handle is None:  # its handler has ended: nobody is left to tell
+            return
         try:
-            self._loop.call_soon_threadsafe(self._fail_handle, job.owner, message)
+            self._loop.call_soon_threadsafe(self._fail_handle, handle, message)
         except RuntimeError:  # the event loop is closed: nobody is left to tell
             pass
 
@@ -281,9 +294,9 @@ class EngineLoop:
         busy = False
         while not self._stop.is_set():
             if not engine.has_work():
-                if busy:  # just went idle: what the finished requests freed goes back to the OS
+                if busy:  # just went idle: what the finished requests left goes back to the OS
                     busy = False
-                    trim_heap()
+                    release_idle_memory()
                 self._wake.wait(self.idle_wait)
                 self._wake.clear()
                 continue
@@ -365,13 +378,3 @@ def _step_logprobs(engine: Engine, req: Req, ids: list[int]) -> list[TokenLogpro
     return [TokenLogprob(t, text(t), lp, rk, [(i, text(i), v) for i, v in top[: params.top_logprobs]])
             for t, lp, rk, top in zip(ids, lps, ranks, tops)]
 
-
-def trim_heap() -> None:
-    """Return the C heap's free pages to the OS (glibc `malloc_trim`; a no-op elsewhere). Without it,
-    the arenas a burst of requests grew stay mapped after the burst ends."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

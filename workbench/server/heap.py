@@ -1,0 +1,68 @@
+"""Giving a server's memory back when it goes idle, and reading where its resident memory lies.
+
+Owns: `release_idle_memory` (the engine thread calls it when the engine goes idle: a full garbage
+collection, then glibc's `malloc_trim`), `pin_mmap_threshold` (glibc's `mallopt` at serve start) and `resident_by_kind` (a process's RSS
+split by mapping kind from /proc/PID/smaps, for the admission benchmark and its test). Does not own: when the engine is idle (engine_loop.py).
+
+Why a collection: a request that ends by its client leaving leaves garbage in reference cycles
+(the exception and traceback of the cancelled handler, its frames, and whatever they hold: for a
+5,000-prompt x n=16 request, its 80,000 request ids). Reference counting never frees a cycle, and
+an idle server allocates too little for the collector's thresholds to trigger a full collection,
+so without this the last big request stayed in memory until the next burst of traffic.
+`gc.freeze()` at serve start moved the model and app out of the collector's sight, so a full
+collection scans only what the requests since then left behind (milliseconds).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+from pathlib import Path
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+MMAP_THRESHOLD = 128 << 10  # glibc's own starting value
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL("libc.so.6")
+        lib.malloc_trim  # noqa: B018 (glibc only)
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+def release_idle_memory() -> None:
+    """Free the garbage requests left in reference cycles, then return the C heap's free pages to
+    the OS (glibc `malloc_trim`; a no-op elsewhere)."""
+    gc.collect()
+    lib = _libc()
+    if lib is not None:
+        lib.malloc_trim(0)
+
+
+def pin_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
+    """glibc `mallopt(M_MMAP_THRESHOLD)` at serve start: blocks of `nbytes` and more get their own
+    mapping, returned to the OS the moment they are freed. Setting it also turns off glibc's
+    dynamic threshold, which after a large block (a packed weight, a prefill's logits) is freed
+    raises the threshold up to 32 MB, so later mid-size tensors of every step land in the
+    threads' arenas and stay there, fragmented, after the burst. True where it was set."""
+    lib = _libc()
+    return lib is not None and lib.mallopt(M_MMAP_THRESHOLD, nbytes) == 1
+
+
+def resident_by_kind(pid: int) -> dict[str, float]:
+    """RSS of process `pid` in MB by mapping kind: `heap` (the main malloc arena, [heap]), `anon`
+    (anonymous mappings: glibc's other arenas and large blocks, pymalloc's arenas, thread stacks,
+    tensors), `file` (file-backed: shared libraries' code and mmapped model weights) and `other`."""
+    out = {"heap": 0.0, "anon": 0.0, "file": 0.0, "other": 0.0}
+    kind = "other"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        first = line.split(maxsplit=6)
+        if "-" in first[0] and len(first) >= 5 and ":" in first[3]:  # a mapping's header line
+            name = first[5] if len(first) > 5 else ""
+            kind = "heap" if name == "[heap]" else "anon" if not name else "file" if name.startswith("/") else "other"
+        elif line.startswith("Rss:"):
+            out[kind] += int(first[1]) / 1024
+    return out
+
