@@ -296,6 +296,7 @@ class EngineLoop:
             if not engine.has_work():
                 if busy:  # just went idle: what the finished requests left goes back to the OS
                     busy = False
+                    engine.sampler.release_buffers()  # up to [max running, vocab] x 2 floats
                     release_idle_memory()
                 self._wake.wait(self.idle_wait)
                 self._wake.clear()

@@ -20,7 +20,10 @@ import gc
 from pathlib import Path
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-MMAP_THRESHOLD = 128 << 10  # glibc's own starting value
+# 1 MiB: glibc's own starting value (128 KiB) sends a decode step's mid-size tensors to mmap and
+# page faults every step (7% of batch-32 throughput, measured); at 1 MiB the residual is the same
+# and the throughput unchanged (BENCHMARKS.md, issue 19)
+MMAP_THRESHOLD = 1 << 20
 
 
 def _libc() -> ctypes.CDLL | None:

@@ -286,6 +286,10 @@ class Sampler:
         # [R, V] buffers kept between steps: the raw log-softmax and the stage recorder's scratch
         self._buffers: dict[str, torch.Tensor] = {}
 
+    def release_buffers(self) -> None:
+        """Drop the kept buffers (a server going idle: they come back with the next traced step)."""
+        self._buffers.clear()
+
     def _buffer(self, slot: str, like: torch.Tensor) -> torch.Tensor:
         """A reused buffer shaped and typed as `like` (grown, never shrunk: at most the largest batch).
         What it holds is valid until the next call of this sampler."""
