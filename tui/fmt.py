@@ -156,8 +156,9 @@ BRANCH_MARK = "⑂"  # marks a fork's branch point (a forced token, the fork in 
 
 def kernels_label(meta: dict) -> str | None:
     """`⚠ kernels=fast (not exact)` when the engine ran a non-exact numerics mode, else None."""
-    engine = meta.get("engine")
-    kernels = engine.get("kernels", "exact") if isinstance(engine, dict) else None
+    from workbench.trace.diff import kernels_of
+
+    kernels = kernels_of(meta)
     return None if kernels in (None, "exact") else f"⚠ kernels={kernels} (not exact)"
 
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from workbench.cli_runs import RUN_PARSERS, _add
+from workbench.engine.config import KERNELS
 
 DEMO_CHATS = [
     [{"role": "user", "content": "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog."}],
@@ -34,7 +35,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--trace", default=None, help="record a .wbtrace file")
     p.add_argument("--trace-level", default="summary", choices=["off", "summary", "full"])
-    p.add_argument("--kernels", default="exact", choices=["exact", "fast", "fast-int8"],
+    p.add_argument("--kernels", default="exact", choices=KERNELS,
                    help="numerics: exact (default, transformers' numbers), fast (bf16 GEMMs, fused MLP and norm) "
                         "or fast-int8 (int8 weights); the fast ones are faster on CPU and their output can differ")
 

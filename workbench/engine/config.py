@@ -12,6 +12,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+# the numerics modes (`kernels`): the default, then run/fastmode.py's opt-in non-exact ones
+KERNELS = ("exact", "fast", "fast-int8")
+
 
 @dataclass(frozen=True, slots=True)
 class CpuKernels:

@@ -29,7 +29,7 @@ from workbench.engine.output.output import RequestOutput, StepOutput
 from workbench.engine.output.postprocess import OutputProcessor
 from workbench.engine.output.stage import NewTokens, OutputStage
 from workbench.engine.prompts import Prompt, as_prompt_list, tokenize_prompt
-from workbench.engine.run import cpu_kernels, fastmode, variants
+from workbench.engine.run import fastmode, variants
 from workbench.engine.run.capture import Capturer
 from workbench.engine.run.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from workbench.engine.run.model_runner import ModelRunner
@@ -93,14 +93,12 @@ class Engine(EngineFacts):
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer, max_ctx)
         self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.outputs.eos_token_ids)
-        cpu_fp32 = self.device == "cpu" and self.runner.dtype == torch.float32
         self.config = EngineConfig(
             model=self.loaded.spec, device=self.device, dtype=self.loaded.dtype, max_batch_tokens=max_batch_tokens,
             chunk_size=chunk_size, kv_tokens=kv_tokens, max_running=max_running, enable_mixed=enable_mixed,
             trace_topk=trace_topk, seed=seed, prefix_sharing=prefix_sharing, prefix_cache=prefix_cache,
             spec=spec if isinstance(spec, (str, dict, type(None))) else getattr(spec, "to_dict", spec.__str__)(),
-            kernels=kernels, cpu_kernels=CpuKernels(cpu_fp32 and cpu_kernels.available(), self.runner.packed_bytes,
-                                   self.runner.kernel_report()["checks"]))
+            kernels=kernels, cpu_kernels=CpuKernels(**self.runner.kernel_report()))  # what the runner chose at load
         self.trace_topk = trace_topk
         self.prefix_sharing = prefix_sharing
         self.tracer = self._make_tracer(trace, trace_level, trace_sinks)

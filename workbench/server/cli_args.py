@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workbench.engine.config import KERNELS
+
 log = logging.getLogger("workbench.server")
 SWITCH_INTERVAL = 0.001  # seconds a thread may hold the GIL while another waits (Python's default: 0.005)
 
@@ -120,7 +122,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--spec", default=None, help="speculative decoding, workbench form: ngram:k=4, draft:MODEL:k=4")
     g.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
                    help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA)")
-    g.add_argument("--kernels", default="exact", choices=("exact", "fast", "fast-int8"),
+    g.add_argument("--kernels", default="exact", choices=KERNELS,
                    help="numerics: exact (default: transformers' numbers), fast (bf16 GEMMs, fused MLP and norm) or "
                         "fast-int8 (int8 weights); CPU float32 only; the fast ones' output can differ")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own (default: 0)")

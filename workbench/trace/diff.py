@@ -200,10 +200,10 @@ def diff_traces(a: Trace, b: Trace, tolerance: float = 1e-3) -> DiffReport:
     return DiffReport(reqs, only_a, only_b, _fork_of(b, a) or _fork_of(a, b), (kernels_of(a), kernels_of(b)))
 
 
-def kernels_of(trace: Trace) -> str | None:
-    """The numerics mode the engine ran (`exact` for traces from before the mode existed); None for
-    a trace another program wrote (transformers' reference, an external server)."""
-    engine = trace.meta.get("engine")
+def kernels_of(trace: Trace | dict) -> str | None:
+    """The numerics mode the engine ran, from a trace or its meta (`exact` for traces from before the
+    mode existed); None for a trace another program wrote (transformers' reference, an external server)."""
+    engine = (trace if isinstance(trace, dict) else trace.meta).get("engine")
     if not isinstance(engine, dict) or "adapter" in engine:  # transformers' reference names its adapter
         return None
     kernels = engine.get("kernels", "exact")

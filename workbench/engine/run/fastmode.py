@@ -37,8 +37,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-KERNELS = ("exact", "fast", "fast-int8")
-DEFAULT = "exact"
+from workbench.engine.config import KERNELS
+
+DEFAULT = KERNELS[0]
 
 _state = threading.local()
 
@@ -119,25 +120,30 @@ class _Weights:
         return y.view(*x16.shape[:-1], y.shape[-1])
 
 
-class FastLinear:
-    """One `nn.Linear`'s forward: in fast mode `bf16(x) @ W_fast.T (+ b)` widened to float32;
-    otherwise the forward it replaced (a cpu_kernels.PackedLinear or `F.linear`), unchanged."""
+class _Wrapped:
+    """A module's forward replaced by a fast one: `exact(x)` is the forward it replaced (an instance
+    forward such as cpu_kernels.PackedLinear, or the class's own), which runs whenever fast mode is off."""
 
-    def __init__(self, module: torch.nn.Linear) -> None:
+    def __init__(self, module: torch.nn.Module) -> None:
         self._module = weakref.ref(module)
-        self.inner = module.__dict__.get("forward")  # a PackedLinear, or None: nn.Linear.forward
+        self.inner = module.__dict__.get("forward")  # None: the class's forward
         self.by_mode: dict[str, _Weights] = {}
-
-    def add(self, mode: str) -> None:
-        if mode not in self.by_mode:
-            m = self._module()
-            self.by_mode[mode] = _Weights(m.weight, m.bias, mode == "fast-int8")
 
     def exact(self, x: torch.Tensor) -> torch.Tensor:
         if self.inner is not None:
             return self.inner(x)
         m = self._module()
-        return F.linear(x, m.weight, m.bias)
+        return type(m).forward(m, x)
+
+
+class FastLinear(_Wrapped):
+    """One `nn.Linear`'s forward: in fast mode `bf16(x) @ W_fast.T (+ b)` widened to float32;
+    otherwise the forward it replaced (a cpu_kernels.PackedLinear or `F.linear`), unchanged."""
+
+    def add(self, mode: str) -> None:
+        if mode not in self.by_mode:
+            m = self._module()
+            self.by_mode[mode] = _Weights(m.weight, m.bias, mode == "fast-int8")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mode = current()
@@ -146,15 +152,13 @@ class FastLinear:
         return self.by_mode[mode](x.to(torch.bfloat16)).float()
 
 
-class FastMLP:
+class FastMLP(_Wrapped):
     """A Llama-style MLP (`down(act(gate(x)) * up(x))`, SiLU) in fast mode: gate and up as one
     GEMM, SiLU and the multiply in place in bf16, then the down projection; otherwise unchanged."""
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self._module = weakref.ref(module)
-        self.inner = module.__dict__.get("forward")
+        super().__init__(module)
         self.split = module.gate_proj.out_features
-        self.by_mode: dict[str, _Weights] = {}
 
     def add(self, mode: str) -> None:
         if mode not in self.by_mode:
@@ -165,10 +169,10 @@ class FastMLP:
                                           mode == "fast-int8")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = self._module()
         mode = current()
         if mode is None or x.dtype != torch.float32:
-            return self.inner(x) if self.inner is not None else type(m).forward(m, x)
+            return self.exact(x)
+        m = self._module()
         gu = self.by_mode[mode](x.to(torch.bfloat16))
         h = F.silu(gu[..., : self.split])  # a new tensor; then h *= up in place
         h.mul_(gu[..., self.split:])
@@ -178,20 +182,18 @@ class FastMLP:
         return down(h.float())
 
 
-class FastRMSNorm:
+class FastRMSNorm(_Wrapped):
     """`torch.rms_norm` (one fused op) for a Llama-style RMSNorm in fast mode; otherwise unchanged."""
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self._module = weakref.ref(module)
-        self.inner = module.__dict__.get("forward")
+        super().__init__(module)
         self.shape = (int(module.weight.shape[0]),)
         self.eps = float(module.variance_epsilon)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = self._module()
         if current() is None or x.dtype != torch.float32:
-            return self.inner(x) if self.inner is not None else type(m).forward(m, x)
-        return torch.rms_norm(x, self.shape, m.weight, self.eps)
+            return self.exact(x)
+        return torch.rms_norm(x, self.shape, self._module().weight, self.eps)
 
 
 def _is_silu_mlp(m: torch.nn.Module) -> bool:
