@@ -140,7 +140,7 @@ def test_packed_linears_give_exactly_what_f_linear_gives(rows, monkeypatch):
         assert torch.equal(packed(x), plain(x))
         first = calls.count(n)
         assert torch.equal(packed(x * 2), plain(x * 2))
-    verdicts = {(k[0], k[1]): v.identical for k, v in checks.linear.items() if k[3] == n}
+    verdicts = {(k[0], k[1]): v.identical for k, v in checks.linear.items() if k[3] == n and k[5] == "packed"}
     if not cpu_kernels.PACKED_MIN_ROWS <= n <= cpu_kernels.PACKED_MAX_ROWS:
         assert not verdicts and n not in calls  # outside the packed range nothing is packed, nothing checked
     else:
@@ -152,6 +152,74 @@ def test_packed_linears_give_exactly_what_f_linear_gives(rows, monkeypatch):
         assert calls.count(n) == first + sum(ok)
     with torch.inference_mode():
         assert torch.equal(packed(x[:, ::2]), plain(x[:, ::2]))  # a strided input is made contiguous first
+
+
+def _count_split_calls(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    compute = cpu_kernels.PackedLinear.split_compute
+
+    def counted(self, x2):
+        calls.append(x2.shape[0])
+        return compute(self, x2)
+
+    monkeypatch.setattr(cpu_kernels.PackedLinear, "split_compute", counted)
+    return calls
+
+
+@pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 5, 15])
+def test_split_gemms_below_the_packed_range_give_exactly_what_f_linear_gives(rows, threads, monkeypatch):
+    # On any CPU: 1-15 rows (batch-1 to batch-15 decode) come out as F.linear's bits, and the split
+    # GEMM ran exactly for the shapes this CPU's check found identical (with 3 threads, 64 output
+    # rows do not split in three: F.linear, unchecked).
+    calls = _count_split_calls(monkeypatch)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        checks = FastPathChecks()
+        plain, split = _linear_stack(6), _linear_stack(6)
+        assert cpu_kernels.pack_linears(split, checks=checks) > 0
+        at_load = {(k[0], k[1]) for k in checks.linear if k[5] == "split"}
+        assert at_load == {(m.out_features, m.in_features) for m in split if m.out_features % threads == 0}
+        calls.clear()
+        x = torch.randn(rows, 96) * 4
+        with torch.inference_mode():
+            assert torch.equal(split(x), plain(x))
+            assert torch.equal(split(x[None] * 3), plain(x[None] * 3))  # [1, rows, in] the same
+    finally:
+        torch.set_num_threads(saved)
+    verdicts = {(k[0], k[1]): v.identical for k, v in checks.linear.items() if k[3] == rows and k[5] == "split"}
+    assert set(verdicts) == {(m.out_features, m.in_features) for m in split if m.out_features % threads == 0}
+    runs = sum(verdicts.values())  # once per identical layer per forward, plus each check's own compute
+    assert calls.count(rows) == 2 * runs + (len(verdicts) if rows != 1 else 0)
+
+
+@pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
+def test_a_split_gemm_that_differs_from_f_linear_is_refused_and_f_linear_runs(monkeypatch):
+    compute = cpu_kernels.PackedLinear.split_compute
+
+    def off_by_one_ulp(self, x2):
+        y = compute(self, x2)
+        y[-1, -1] = torch.nextafter(y[-1, -1], torch.tensor(float("inf")))
+        return y
+
+    monkeypatch.setattr(cpu_kernels.PackedLinear, "split_compute", off_by_one_ulp)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        checks = FastPathChecks()
+        plain, split = _linear_stack(7), _linear_stack(7)
+        cpu_kernels.pack_linears(split, checks=checks)
+        x = torch.randn(3, 96)
+        with torch.inference_mode():
+            assert torch.equal(split(x), plain(x))  # the wrong kernel never reaches the output
+    finally:
+        torch.set_num_threads(saved)
+    report = checks.report()
+    for shape in ("96->200", "200->64 +bias"):  # 1 row at load, 3 on first use
+        assert report["split_linear"]["shapes"][shape] == {"split_rows": [], "refused_rows": [1, 3]}
+    assert any("200->64 at 3 rows" in r and "split differs" in r for r in report["packed_linear"]["refused"])
 
 
 @pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
@@ -171,7 +239,7 @@ def test_a_packed_gemm_that_differs_from_f_linear_is_refused_and_f_linear_runs(m
     x = torch.randn(40, 96)
     with torch.inference_mode():
         assert torch.equal(packed(x), plain(x))  # the wrong kernel never reaches the output
-    assert checks.linear and not any(v.identical for v in checks.linear.values())
+    assert checks.linear and not any(v.identical for k, v in checks.linear.items() if k[5] == "packed")
     report = checks.report()["packed_linear"]
     for shape in ("96->200", "200->64 +bias"):  # checked at load (16, 32 rows) and on first use (40)
         assert report["shapes"][shape] == {"packed_rows": [], "refused_rows": [16, 32, 40]}
@@ -224,7 +292,8 @@ def test_a_second_load_reuses_the_verdicts_on_disk_and_packs_only_what_runs(tmp_
     assert not any(m.forward.packed is not None for m in model)  # and nothing packed yet
     sources = second.report()["packed_linear"]["verdicts"]
     assert list(sources) == [s for s in sources if s.startswith("cached verdict from 20")]
-    assert sum(len(v) for v in sources.values()) == 2
+    threads = torch.get_num_threads()
+    assert sum(len(v) for v in sources.values()) == 2 + (threads > 1 and 96 % threads == 0)  # + the split at 1 row
     x = torch.randn(16, 96)
     with torch.inference_mode():
         one = torch.randn(1, 96)
@@ -232,7 +301,7 @@ def test_a_second_load_reuses_the_verdicts_on_disk_and_packs_only_what_runs(tmp_
         assert torch.equal(model(x), plain(x))  # first call at 16 rows: F.linear, nothing packed
         assert not any(m.forward.packed is not None for m in model) and len(calls) == 2
         assert torch.equal(model(x), plain(x))  # second: packed (where identical), bit for bit the same
-    identical = second.linear[(96, 96, True, 16, torch.get_num_threads())].identical
+    identical = second.linear[(96, 96, True, 16, torch.get_num_threads(), "packed")].identical
     assert all((m.forward.packed is not None) == identical for m in model)
     (tmp_path / "verdicts.json").write_text("{not json")  # a damaged file: ignored, checked again
     third = FastPathChecks(VerdictStore(tmp_path / "verdicts.json"))

@@ -15,8 +15,10 @@ Two kernels:
   out once (when first needed, see PackedLinear) for its GEMM kernel, and `cblas_sgemm_compute` then skips the packing that
   `F.linear` redoes on every call; at 16 to 64 rows (a decode batch) that packing is a large share
   of the GEMM. The MKL inside torch's CPU wheels exports both; where it does not, nothing changes.
-  Rows below `PACKED_MIN_ROWS` keep `F.linear` (MKL takes a GEMV-like path there, where packing buys
-  nothing), and so do rows above `PACKED_MAX_ROWS` (a prefill chunk: the per-call packing is then a
+  Rows below `PACKED_MIN_ROWS` do not pack (MKL takes a GEMV-like path there, where packing buys
+  nothing, and runs it on one thread): with two or more threads they split the weight's output rows
+  into one slice per thread and run the slices' GEMMs in parallel (`PackedLinear.split_compute`,
+  `torch.bmm`), where the check finds that identical to `F.linear`. Rows above `PACKED_MAX_ROWS` (a prefill chunk: the per-call packing is then a
   small share of the GEMM, and each new row count would cost a check).
 
 Neither kernel is trusted blindly: fastpath.py checks each against the op it replaces on this CPU,
@@ -41,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-from workbench.engine.run.fastpath import CHECKS, FastPathChecks
+from workbench.engine.run import fastpath
+from workbench.engine.run.fastpath import CHECKS, SPLIT, FastPathChecks
 
 SOURCE = Path(__file__).parent / "kernels" / "decode_attention.c"
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
@@ -117,6 +120,7 @@ def load() -> ctypes.CDLL | None:
 
 
 PACKED_MIN_ROWS, PACKED_MAX_ROWS = 16, 256
+SPLIT_MAX_ROWS = PACKED_MIN_ROWS - 1  # 1-15 rows: the split GEMM (PackedLinear.split_compute)
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
 def _load_mkl() -> ctypes.CDLL | None:
     try:
@@ -160,6 +164,7 @@ class PackedLinear:
         self.nbytes = lib.cblas_sgemm_pack_get_size(_B_MATRIX, 64, self.out_features, self.in_features)
         self.packed: torch.Tensor | None = None  # packed by `_pack` when first needed
         self.calls_in_range = 0
+        self._split: tuple[int, int, torch.Tensor] | None = None  # (parts, weight pointer, weight view)
 
     def _pack(self) -> torch.Tensor:
         with _lock:
@@ -189,10 +194,34 @@ class PackedLinear:
                                      0.0 if bias is None else 1.0, y.data_ptr(), self.out_features)
         return y
 
+    def can_split(self) -> bool:
+        """Can the split GEMM run with this process's thread count (a slice per thread)?"""
+        parts = torch.get_num_threads()
+        return parts > 1 and self.out_features % parts == 0
+
+    def split_compute(self, x2: torch.Tensor) -> torch.Tensor:
+        """`x2 [rows, in] -> [rows, out]` as one GEMM per thread, each over a slice of the weight's
+        output rows (`torch.bmm` runs the slices in parallel), unchecked (fastpath.py checks it).
+        The weight is not copied: the slices are a view of it."""
+        parts, module = torch.get_num_threads(), self._module()
+        weight, rows, n = module.weight.detach(), x2.shape[0], self.out_features
+        if self._split is None or self._split[:2] != (parts, weight.data_ptr()):  # a new thread count or weight
+            self._split = (parts, weight.data_ptr(), weight.view(parts, n // parts, self.in_features).transpose(1, 2))
+        x3 = x2.contiguous().unsqueeze(0).expand(parts, rows, self.in_features)
+        bias = module.bias
+        y = torch.bmm(x3, self._split[2]) if bias is None else \
+            torch.baddbmm(bias.detach().view(parts, 1, n // parts), x3, self._split[2])
+        return y.transpose(0, 1).reshape(rows, n)  # [parts, rows, n/parts] -> [rows, n]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module = self._module()
         rows = x.numel() // self.in_features if x.shape[-1] == self.in_features else 0
-        if (not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
+        if rows <= SPLIT_MAX_ROWS:
+            if (rows and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
+                    and self.can_split() and self.checks.linear_ok(self, rows, SPLIT)):
+                return self.split_compute(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
+            return torch.nn.functional.linear(x, module.weight, module.bias)
+        if (rows > PACKED_MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
                 or torch.is_grad_enabled() or not self.checks.linear_ok(self, rows)):
             return torch.nn.functional.linear(x, module.weight, module.bias)  # what nn.Linear.forward does
         if self.packed is None:
@@ -223,7 +252,8 @@ def pack_linears(model: torch.nn.Module, budget_bytes: int | None = None, checks
         return 0
     for m in linears:
         m.forward = PackedLinear(lib, m, checks)
-    checks.verify_model([m.forward for m in linears], min_rows=PACKED_MIN_ROWS)  # the common decode sizes now
+    checks.verify_model([m.forward for m in linears], min_rows=PACKED_MIN_ROWS,  # the common decode sizes now
+                        split_rows=fastpath.LOAD_TIME_SPLIT_ROWS)
     model._workbench_packed_bytes = need
     return need
 

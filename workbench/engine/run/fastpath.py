@@ -18,6 +18,13 @@ report the engine config and traces carry (`report()`). Does not own the kernels
   so a second load on the same machine reuses them instead of packing and checking again; the
   report says which verdicts were "checked in this process" and which are a "cached verdict from
   <date>".
+- **Split GEMM** (below the packed range, 1-15 rows: one `F.linear`-shaped GEMM per thread over
+  a slice of the weight's output rows, run in parallel by `torch.bmm`): at so few rows MKL runs
+  `F.linear` on one thread (the second core idles while the weights stream through one), so the
+  split reads them on every thread. Each output element is still one dot product over the same
+  inputs; whether MKL's kernel sums it in the same order for a slice as for the whole weight is
+  what the check decides, per the same key as the packed GEMM's (plus the kind), at one row at
+  load and at every other row count on first use.
 - **Paged decode attention** (kernels/decode_attention.c instead of gather + masked
   `scaled_dot_product_attention`): at one decode row the torch path computes exactly what
   transformers computes (no padding), so the kernel is used there only if it is bit-identical to it
@@ -45,6 +52,8 @@ from workbench.engine.run.verdicts import VerdictStore, default_store
 ENV_SWITCH = "WORKBENCH_CPU_KERNELS"  # "0": no native kernels; "exact": bit identity everywhere
 ATTENTION_ERROR_FACTOR = 4.0
 LOAD_TIME_ROWS = (16, 32)  # decode batch sizes checked before the first request (the rest on first use)
+LOAD_TIME_SPLIT_ROWS = (1,)  # the split GEMM's row counts checked at load (batch-1 decode)
+PACKED, SPLIT = "packed", "split"  # the two replacements of F.linear a LinearVerdict can be about
 
 
 def exact_only() -> bool:
@@ -56,7 +65,7 @@ CHECKED_NOW = "checked in this process"
 
 @dataclass(slots=True)
 class LinearVerdict:
-    """Packed GEMM vs `F.linear` for one weight shape at one row count."""
+    """Packed (or split) GEMM vs `F.linear` for one weight shape at one row count."""
 
     identical: bool
     max_abs_diff: float
@@ -81,24 +90,25 @@ class FastPathChecks:
     verdicts (the process-wide CHECKS has one; a fresh FastPathChecks() checks everything itself)."""
 
     store: VerdictStore | None = None
-    linear: dict[tuple[int, int, bool, int, int], LinearVerdict] = field(default_factory=dict)
+    linear: dict[tuple[int, int, bool, int, int, str], LinearVerdict] = field(default_factory=dict)
     attention: dict[tuple[int, int, int], AttentionVerdict] = field(default_factory=dict)
     load_seconds: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     # --- packed GEMM --------------------------------------------------------------------------
 
-    def linear_ok(self, packed: Any, rows: int) -> bool:
-        """May `packed` (a cpu_kernels.PackedLinear) compute `rows` rows? Verified on first ask."""
+    def linear_ok(self, packed: Any, rows: int, kind: str = PACKED) -> bool:
+        """May `packed` (a cpu_kernels.PackedLinear) compute `rows` rows through its packed weight
+        (`kind` PACKED) or its split GEMM (SPLIT)? Verified on first ask."""
         module = packed.module
-        key = (packed.out_features, packed.in_features, module.bias is not None, rows, torch.get_num_threads())
+        key = (packed.out_features, packed.in_features, module.bias is not None, rows, torch.get_num_threads(), kind)
         verdict = self.linear.get(key)
         if verdict is None:
             cached = self.store.get(key) if self.store is not None else None
             if cached is not None:
                 verdict = LinearVerdict(cached[0], cached[1], f"cached verdict from {cached[2]}")
             else:
-                verdict = self._verify_linear(packed, module, rows)
+                verdict = self._verify_linear(packed, module, rows, kind)
                 if self.store is not None:
                     self.store.put(key, verdict.identical, verdict.max_abs_diff)
             with self.lock:
@@ -106,20 +116,21 @@ class FastPathChecks:
         return verdict.identical
 
     @staticmethod
-    def _verify_linear(packed: Any, module: torch.nn.Linear, rows: int) -> LinearVerdict:
+    def _verify_linear(packed: Any, module: torch.nn.Linear, rows: int, kind: str) -> LinearVerdict:
         gen = torch.Generator().manual_seed(rows)
         # activations of both signs and a spread of magnitudes, like a hidden state
         x = torch.randn(rows, packed.in_features, generator=gen) * torch.rand(rows, 1, generator=gen).mul(8)
         with torch.inference_mode():
             want = F.linear(x, module.weight, module.bias)
-            got = packed.compute(x)
+            got = packed.compute(x) if kind == PACKED else packed.split_compute(x)
         if torch.equal(got, want):
             return LinearVerdict(True, 0.0)
         return LinearVerdict(False, float((got - want).abs().max()))
 
     def verify_model(self, packed_layers: list[Any], rows: tuple[int, ...] = LOAD_TIME_ROWS,
-                     min_rows: int = 1) -> None:
-        """Check each distinct packed shape at the decode batch sizes `rows` now (load time)."""
+                     min_rows: int = 1, split_rows: tuple[int, ...] = ()) -> None:
+        """Check each distinct packed shape at the decode batch sizes `rows` now (load time), and
+        its split GEMM at `split_rows` where the layer can split (`packed.can_split()`)."""
         start = time.perf_counter()
         seen: set[tuple[int, int, bool]] = set()
         for p in packed_layers:
@@ -130,6 +141,9 @@ class FastPathChecks:
             for r in rows:
                 if r >= min_rows:
                     self.linear_ok(p, r)
+            for r in split_rows:
+                if p.can_split():
+                    self.linear_ok(p, r, SPLIT)
         self.load_seconds += time.perf_counter() - start
 
     # --- decode attention ---------------------------------------------------------------------
@@ -150,14 +164,20 @@ class FastPathChecks:
 
     def report(self) -> dict[str, Any]:
         by_shape: dict[str, dict[str, list[int]]] = {}
+        split: dict[str, dict[str, list[int]]] = {}
         reasons: list[str] = []
         sources: dict[str, list[str]] = {}
-        for (n, k, bias, rows, threads), v in sorted(self.linear.items()):
-            entry = by_shape.setdefault(f"{k}->{n}{' +bias' if bias else ''}", {"packed_rows": [], "refused_rows": []})
-            entry["packed_rows" if v.identical else "refused_rows"].append(rows)
-            sources.setdefault(v.source, []).append(f"{k}->{n}{' +bias' if bias else ''} at {rows} rows")
+        for (n, k, bias, rows, threads, kind), v in sorted(self.linear.items()):
+            name = f"{k}->{n}{' +bias' if bias else ''}"
+            if kind == PACKED:
+                entry = by_shape.setdefault(name, {"packed_rows": [], "refused_rows": []})
+                entry["packed_rows" if v.identical else "refused_rows"].append(rows)
+            else:
+                entry = split.setdefault(name, {"split_rows": [], "refused_rows": []})
+                entry["split_rows" if v.identical else "refused_rows"].append(rows)
+            sources.setdefault(v.source, []).append(f"{name} at {rows} rows{'' if kind == PACKED else ' (split)'}")
             if not v.identical:
-                reasons.append(f"{k}->{n} at {rows} rows ({threads} threads): packed differs from F.linear "
+                reasons.append(f"{k}->{n} at {rows} rows ({threads} threads): {kind} differs from F.linear "
                                f"by up to {v.max_abs_diff:.3g}; F.linear is used")
         attention = {}
         for (h, kvh, d), v in self.attention.items():
@@ -173,7 +193,7 @@ class FastPathChecks:
                  f"torch: kernel error {v.kernel_error:.3g} exceeds {ATTENTION_ERROR_FACTOR:g}x sdpa's "
                  f"{v.torch_error:.3g}"),
                 "check_seconds": round(v.seconds, 3)}
-        return {"policy": "exact" if exact_only() else "packed GEMM only where bit-identical to F.linear "
+        return {"policy": "exact" if exact_only() else "packed or split GEMM only where bit-identical to F.linear "
                 "(per shape and row count, checked on this CPU); decode attention as the report says",
                 "packed_linear": {"shapes": by_shape, "refused": reasons, "verdicts": sources,
                                   "verdict_file": str(self.store.path) if self.store is not None else None,
@@ -182,6 +202,11 @@ class FastPathChecks:
                                   "packing": "each layer's weight is packed on its second call at "
                                   "16-256 rows (a command that never runs such batches never packs)",
                                   "load_check_seconds": round(self.load_seconds, 3)},
+                "split_linear": {"shapes": split,
+                                 "how": "1-15 rows (decode batches below the packed range): the weight's "
+                                 "output rows split into one slice per thread, one GEMM each in parallel "
+                                 "(torch.bmm over the slices), used only where identical to F.linear; "
+                                 "refusals are listed under packed_linear.refused"},
                 "attention": attention}
 
 

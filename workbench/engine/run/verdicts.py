@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 ENV_SWITCH = "WORKBENCH_FASTPATH_CACHE"
-LinearKey = tuple[int, int, bool, int, int]  # (out_features, in_features, bias, rows, threads)
+LinearKey = tuple[int, int, bool, int, int, str]  # (out_features, in_features, bias, rows, threads, kind)
 
 
 def _cpu() -> tuple[str, str]:
@@ -69,8 +69,8 @@ def default_path() -> Path:
 
 
 def _name(key: LinearKey) -> str:
-    n, k, bias, rows, threads = key
-    return f"{n}x{k}{'+bias' if bias else ''}@{rows}r{threads}t"
+    n, k, bias, rows, threads, kind = key
+    return f"{n}x{k}{'+bias' if bias else ''}@{rows}r{threads}t{'' if kind == 'packed' else '/' + kind}"
 
 
 class VerdictStore:
