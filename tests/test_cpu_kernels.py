@@ -123,9 +123,15 @@ def _count_packed_calls(monkeypatch) -> list[int]:
     return calls
 
 
+@pytest.fixture
+def packed_only(monkeypatch):
+    """No split GEMM: the packed GEMM alone, as on one thread or where every split is refused."""
+    monkeypatch.setattr(cpu_kernels, "SPLIT_MAX_ROWS", 0)
+
+
 @pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
 @pytest.mark.parametrize("rows", [1, 7, 16, 33, 100, 200])
-def test_packed_linears_give_exactly_what_f_linear_gives(rows, monkeypatch):
+def test_packed_linears_give_exactly_what_f_linear_gives(rows, monkeypatch, packed_only):
     # On any CPU: the output is F.linear's bit for bit (greedy parity with transformers relies on
     # it). The packed GEMM runs only at the row counts this CPU's check found identical.
     calls = _count_packed_calls(monkeypatch)
@@ -168,11 +174,11 @@ def _count_split_calls(monkeypatch) -> list[int]:
 
 @pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
 @pytest.mark.parametrize("threads", [2, 3])
-@pytest.mark.parametrize("rows", [1, 2, 5, 15])
-def test_split_gemms_below_the_packed_range_give_exactly_what_f_linear_gives(rows, threads, monkeypatch):
-    # On any CPU: 1-15 rows (batch-1 to batch-15 decode) come out as F.linear's bits, and the split
-    # GEMM ran exactly for the shapes this CPU's check found identical (with 3 threads, 64 output
-    # rows do not split in three: F.linear, unchecked).
+@pytest.mark.parametrize("rows", [1, 2, 5, 15, 16, 40, 64])
+def test_split_gemms_for_decode_batches_give_exactly_what_f_linear_gives(rows, threads, monkeypatch):
+    # On any CPU: 1-64 rows (decode batches) come out as F.linear's bits, and the split GEMM ran
+    # exactly for the shapes this CPU's check found identical (with 3 threads, 64 output rows do
+    # not split in three: not split, not checked).
     calls = _count_split_calls(monkeypatch)
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -192,7 +198,8 @@ def test_split_gemms_below_the_packed_range_give_exactly_what_f_linear_gives(row
     verdicts = {(k[0], k[1]): v.identical for k, v in checks.linear.items() if k[3] == rows and k[5] == "split"}
     assert set(verdicts) == {(m.out_features, m.in_features) for m in split if m.out_features % threads == 0}
     runs = sum(verdicts.values())  # once per identical layer per forward, plus each check's own compute
-    assert calls.count(rows) == 2 * runs + (len(verdicts) if rows != 1 else 0)
+    at_load_rows = rows in (1, 16, 32)  # checked at load (LOAD_TIME_ROWS), before `calls.clear()`
+    assert calls.count(rows) == 2 * runs + (0 if at_load_rows else len(verdicts))
 
 
 @pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
@@ -217,13 +224,16 @@ def test_a_split_gemm_that_differs_from_f_linear_is_refused_and_f_linear_runs(mo
     finally:
         torch.set_num_threads(saved)
     report = checks.report()
-    for shape in ("96->200", "200->64 +bias"):  # 1 row at load, 3 on first use
-        assert report["split_linear"]["shapes"][shape] == {"split_rows": [], "refused_rows": [1, 3]}
+    for shape in ("96->200", "200->64 +bias"):  # 1, 16 and 32 rows at load, 3 on first use
+        assert report["split_linear"]["shapes"][shape] == {"split_rows": [], "refused_rows": [1, 3, 16, 32]}
+        # where the split is refused, decode batches of 16+ rows fall back to the packed GEMM's check
+        packed = report["packed_linear"]["shapes"][shape]
+        assert sorted(packed["packed_rows"] + packed["refused_rows"]) == [16, 32]
     assert any("200->64 at 3 rows" in r and "split differs" in r for r in report["packed_linear"]["refused"])
 
 
 @pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
-def test_a_packed_gemm_that_differs_from_f_linear_is_refused_and_f_linear_runs(monkeypatch):
+def test_a_packed_gemm_that_differs_from_f_linear_is_refused_and_f_linear_runs(monkeypatch, packed_only):
     # Force the failing verification: a packed GEMM that is off by one ulp in one element.
     compute = cpu_kernels.PackedLinear.compute
 
@@ -272,7 +282,7 @@ def test_packing_respects_its_memory_budget_and_runs_once():
 
 
 @pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
-def test_a_second_load_reuses_the_verdicts_on_disk_and_packs_only_what_runs(tmp_path, monkeypatch):
+def test_a_second_load_reuses_the_verdicts_on_disk_and_packs_only_what_runs(tmp_path, monkeypatch, packed_only):
     from workbench.engine.run.verdicts import VerdictStore
 
     calls = _count_packed_calls(monkeypatch)
@@ -292,8 +302,7 @@ def test_a_second_load_reuses_the_verdicts_on_disk_and_packs_only_what_runs(tmp_
     assert not any(m.forward.packed is not None for m in model)  # and nothing packed yet
     sources = second.report()["packed_linear"]["verdicts"]
     assert list(sources) == [s for s in sources if s.startswith("cached verdict from 20")]
-    threads = torch.get_num_threads()
-    assert sum(len(v) for v in sources.values()) == 2 + (threads > 1 and 96 % threads == 0)  # + the split at 1 row
+    assert sum(len(v) for v in sources.values()) == 2
     x = torch.randn(16, 96)
     with torch.inference_mode():
         one = torch.randn(1, 96)
@@ -372,13 +381,15 @@ def test_the_engine_reports_which_kernels_ran_and_why(tiny):
         report = engine.runner.kernel_report()
     assert report["decode_attention"] is cpu_kernels.available()
     assert report["packed_linear_bytes"] == engine.config.cpu_kernels.packed_linear_bytes > 0
-    shapes = report["checks"]["packed_linear"]["shapes"]
-    hidden = tiny.model.config.hidden_size
-    assert f"{hidden}->{tiny.model.config.vocab_size}" in shapes  # lm_head checked too
+    packed = report["checks"]["packed_linear"]["shapes"]
+    split = report["checks"]["split_linear"]["shapes"]
     # this model's shapes (the report is the process's: other tests' models are in it too)
     mine = {f"{m.in_features}->{m.out_features}{' +bias' if m.bias is not None else ''}"
             for m in tiny.model.modules() if isinstance(m, torch.nn.Linear)}
-    assert mine <= set(shapes)
-    for name in mine:  # 16 and 32 rows at load, 20 (the decode batch) on first use
-        entry = shapes[name]
-        assert set(entry["packed_rows"] + entry["refused_rows"]) >= {16, 20, 32}, name
+    assert f"{tiny.model.config.hidden_size}->{tiny.model.config.vocab_size}" in mine  # lm_head too
+    for name in mine:  # 1, 16 and 32 rows at load, 20 (the decode batch) on first use: split, else packed
+        decided = set(sum(split.get(name, {}).values(), []))
+        refused = set(split.get(name, {}).get("refused_rows", []))
+        decided |= set(sum(packed.get(name, {}).values(), []))
+        assert decided >= ({1, 16, 20, 32} if torch.get_num_threads() > 1 else {16, 20, 32}), name
+        assert set(sum(packed.get(name, {}).values(), [])) >= refused & {16, 20, 32}, name

@@ -15,10 +15,12 @@ Two kernels:
   out once (when first needed, see PackedLinear) for its GEMM kernel, and `cblas_sgemm_compute` then skips the packing that
   `F.linear` redoes on every call; at 16 to 64 rows (a decode batch) that packing is a large share
   of the GEMM. The MKL inside torch's CPU wheels exports both; where it does not, nothing changes.
-  Rows below `PACKED_MIN_ROWS` do not pack (MKL takes a GEMV-like path there, where packing buys
-  nothing, and runs it on one thread): with two or more threads they split the weight's output rows
-  into one slice per thread and run the slices' GEMMs in parallel (`PackedLinear.split_compute`,
-  `torch.bmm`), where the check finds that identical to `F.linear`. Rows above `PACKED_MAX_ROWS` (a prefill chunk: the per-call packing is then a
+  Decode batches (1 to `SPLIT_MAX_ROWS` rows) with two or more threads first split the weight's
+  output rows into one slice per thread and run the slices' GEMMs in parallel
+  (`PackedLinear.split_compute`, `torch.bmm`), where the check finds that identical to `F.linear`:
+  below 16 rows MKL runs `F.linear` on one thread, and up to 64 rows one slice per thread beats
+  its own threading, packed or not. Rows below `PACKED_MIN_ROWS` do not pack (a GEMV-like path,
+  where packing buys nothing). Rows above `PACKED_MAX_ROWS` (a prefill chunk: the per-call packing is then a
   small share of the GEMM, and each new row count would cost a check).
 
 Neither kernel is trusted blindly: fastpath.py checks each against the op it replaces on this CPU,
@@ -43,8 +45,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.engine.run import fastpath
-from workbench.engine.run.fastpath import CHECKS, SPLIT, FastPathChecks
+from workbench.engine.run.fastpath import CHECKS, PACKED, SPLIT, FastPathChecks
 
 SOURCE = Path(__file__).parent / "kernels" / "decode_attention.c"
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
@@ -120,7 +121,7 @@ def load() -> ctypes.CDLL | None:
 
 
 PACKED_MIN_ROWS, PACKED_MAX_ROWS = 16, 256
-SPLIT_MAX_ROWS = PACKED_MIN_ROWS - 1  # 1-15 rows: the split GEMM (PackedLinear.split_compute)
+SPLIT_MAX_ROWS = 64  # 1-64 rows: the split GEMM first (PackedLinear.split_compute), then packed
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
 def _load_mkl() -> ctypes.CDLL | None:
     try:
@@ -165,6 +166,7 @@ class PackedLinear:
         self.packed: torch.Tensor | None = None  # packed by `_pack` when first needed
         self.calls_in_range = 0
         self._split: tuple[int, int, torch.Tensor] | None = None  # (parts, weight pointer, weight view)
+        self._routes: dict[tuple[int, int], str | None] = {}  # (rows, threads) -> route(rows)
 
     def _pack(self) -> torch.Tensor:
         with _lock:
@@ -213,17 +215,30 @@ class PackedLinear:
             torch.baddbmm(bias.detach().view(parts, 1, n // parts), x3, self._split[2])
         return y.transpose(0, 1).reshape(rows, n)  # [parts, rows, n/parts] -> [rows, n]
 
+    def route(self, rows: int) -> str | None:
+        """Which kernel computes `rows` rows: SPLIT, PACKED or None (`F.linear`). The split GEMM
+        first up to SPLIT_MAX_ROWS, the packed one in its range, each only where its check found
+        it identical to `F.linear` on this CPU (checked on first ask, then kept)."""
+        key = (rows, torch.get_num_threads())
+        kind = self._routes.get(key, ())
+        if kind == ():
+            kind = None
+            if 1 <= rows <= SPLIT_MAX_ROWS and self.can_split() and self.checks.linear_ok(self, rows, SPLIT):
+                kind = SPLIT
+            elif PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS and self.checks.linear_ok(self, rows):
+                kind = PACKED
+            self._routes[key] = kind
+        return kind
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module = self._module()
         rows = x.numel() // self.in_features if x.shape[-1] == self.in_features else 0
-        if rows <= SPLIT_MAX_ROWS:
-            if (rows and x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
-                    and self.can_split() and self.checks.linear_ok(self, rows, SPLIT)):
-                return self.split_compute(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
-            return torch.nn.functional.linear(x, module.weight, module.bias)
-        if (rows > PACKED_MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
-                or torch.is_grad_enabled() or not self.checks.linear_ok(self, rows)):
+        kind = None if (not rows or x.dtype != torch.float32 or x.device.type != "cpu"
+                        or torch.is_grad_enabled()) else self.route(rows)
+        if kind is None:
             return torch.nn.functional.linear(x, module.weight, module.bias)  # what nn.Linear.forward does
+        if kind == SPLIT:
+            return self.split_compute(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
         if self.packed is None:
             self.calls_in_range += 1
             if self.calls_in_range < 2:  # bit-identical (checked), and packing may never pay off
@@ -252,8 +267,7 @@ def pack_linears(model: torch.nn.Module, budget_bytes: int | None = None, checks
         return 0
     for m in linears:
         m.forward = PackedLinear(lib, m, checks)
-    checks.verify_model([m.forward for m in linears], min_rows=PACKED_MIN_ROWS,  # the common decode sizes now
-                        split_rows=fastpath.LOAD_TIME_SPLIT_ROWS)
+    checks.verify_model([m.forward for m in linears])  # the common decode sizes now
     model._workbench_packed_bytes = need
     return need
 
