@@ -111,15 +111,16 @@ def _linear_stack(seed: int) -> torch.nn.Sequential:
 NO_MKL = "PACKED GEMM NOT CHECKED: this torch has no MKL packed sgemm"
 
 
-def _count_packed_calls(monkeypatch) -> list[int]:
+def _count_calls(monkeypatch, method: str = "compute") -> list[int]:
+    """The row counts of every call to PackedLinear.`method` (compute: packed, split_compute: split)."""
     calls: list[int] = []
-    compute = cpu_kernels.PackedLinear.compute
+    compute = getattr(cpu_kernels.PackedLinear, method)
 
     def counted(self, x2):
         calls.append(x2.shape[0])
         return compute(self, x2)
 
-    monkeypatch.setattr(cpu_kernels.PackedLinear, "compute", counted)
+    monkeypatch.setattr(cpu_kernels.PackedLinear, method, counted)
     return calls
 
 
@@ -134,7 +135,7 @@ def packed_only(monkeypatch):
 def test_packed_linears_give_exactly_what_f_linear_gives(rows, monkeypatch, packed_only):
     # On any CPU: the output is F.linear's bit for bit (greedy parity with transformers relies on
     # it). The packed GEMM runs only at the row counts this CPU's check found identical.
-    calls = _count_packed_calls(monkeypatch)
+    calls = _count_calls(monkeypatch)
     checks = FastPathChecks()
     plain, packed = _linear_stack(0), _linear_stack(0)
     assert cpu_kernels.pack_linears(packed, checks=checks) > 0
@@ -160,18 +161,6 @@ def test_packed_linears_give_exactly_what_f_linear_gives(rows, monkeypatch, pack
         assert torch.equal(packed(x[:, ::2]), plain(x[:, ::2]))  # a strided input is made contiguous first
 
 
-def _count_split_calls(monkeypatch) -> list[int]:
-    calls: list[int] = []
-    compute = cpu_kernels.PackedLinear.split_compute
-
-    def counted(self, x2):
-        calls.append(x2.shape[0])
-        return compute(self, x2)
-
-    monkeypatch.setattr(cpu_kernels.PackedLinear, "split_compute", counted)
-    return calls
-
-
 @pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("rows", [1, 2, 5, 15, 16, 40, 64])
@@ -179,7 +168,7 @@ def test_split_gemms_for_decode_batches_give_exactly_what_f_linear_gives(rows, t
     # On any CPU: 1-64 rows (decode batches) come out as F.linear's bits, and the split GEMM ran
     # exactly for the shapes this CPU's check found identical (with 3 threads, 64 output rows do
     # not split in three: not split, not checked).
-    calls = _count_split_calls(monkeypatch)
+    calls = _count_calls(monkeypatch, "split_compute")
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -285,7 +274,7 @@ def test_packing_respects_its_memory_budget_and_runs_once():
 def test_a_second_load_reuses_the_verdicts_on_disk_and_packs_only_what_runs(tmp_path, monkeypatch, packed_only):
     from workbench.engine.run.verdicts import VerdictStore
 
-    calls = _count_packed_calls(monkeypatch)
+    calls = _count_calls(monkeypatch)
 
     def stack():
         torch.manual_seed(5)
