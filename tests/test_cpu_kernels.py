@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.engine.engine import Engine
-from workbench.engine.run import cpu_kernels
+from workbench.engine.run import cpu_kernels, fastpath
 from workbench.engine.run.fastpath import FastPathChecks
 from workbench.engine.sample.sampling_params import SamplingParams
 
@@ -130,9 +130,29 @@ def packed_only(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "SPLIT_MAX_ROWS", 0)
 
 
+def _fixed_race(monkeypatch, ms: dict[str, float]) -> list[str]:
+    """The race as if each entrant took `ms[kind]` (nothing is run: which kernel wins on this CPU
+    is not what the calling test is about). Returns the entrants timed, in order."""
+    timed: list[str] = []
+
+    def fake(kind, fn, x):
+        timed.append(kind)
+        return ms[kind] / 1e3
+
+    monkeypatch.setattr(FastPathChecks, "_time", staticmethod(fake))
+    return timed
+
+
+@pytest.fixture
+def kernels_win(monkeypatch):
+    """Every identical kernel wins the race against F.linear (the split one first), as on the AMD
+    EPYC these kernels were measured on."""
+    _fixed_race(monkeypatch, {fastpath.SPLIT: 1.0, fastpath.PACKED: 2.0, fastpath.LINEAR: 3.0})
+
+
 @pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
 @pytest.mark.parametrize("rows", [1, 7, 16, 33, 100, 200])
-def test_packed_linears_give_exactly_what_f_linear_gives(rows, monkeypatch, packed_only):
+def test_packed_linears_give_exactly_what_f_linear_gives(rows, monkeypatch, packed_only, kernels_win):
     # On any CPU: the output is F.linear's bit for bit (greedy parity with transformers relies on
     # it). The packed GEMM runs only at the row counts this CPU's check found identical.
     calls = _count_calls(monkeypatch)
@@ -164,7 +184,7 @@ def test_packed_linears_give_exactly_what_f_linear_gives(rows, monkeypatch, pack
 @pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("rows", [1, 2, 5, 15, 16, 40, 64])
-def test_split_gemms_for_decode_batches_give_exactly_what_f_linear_gives(rows, threads, monkeypatch):
+def test_split_gemms_for_decode_batches_give_exactly_what_f_linear_gives(rows, threads, monkeypatch, kernels_win):
     # On any CPU: 1-64 rows (decode batches) come out as F.linear's bits, and the split GEMM ran
     # exactly for the shapes this CPU's check found identical (with 3 threads, 64 output rows do
     # not split in three: not split, not checked).
@@ -271,7 +291,8 @@ def test_packing_respects_its_memory_budget_and_runs_once():
 
 
 @pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
-def test_a_second_load_reuses_the_verdicts_on_disk_and_packs_only_what_runs(tmp_path, monkeypatch, packed_only):
+def test_a_second_load_reuses_the_verdicts_on_disk_and_packs_only_what_runs(tmp_path, monkeypatch, packed_only,
+                                                                           kernels_win):
     from workbench.engine.run.verdicts import VerdictStore
 
     calls = _count_calls(monkeypatch)
@@ -305,6 +326,76 @@ def test_a_second_load_reuses_the_verdicts_on_disk_and_packs_only_what_runs(tmp_
     third = FastPathChecks(VerdictStore(tmp_path / "verdicts.json"))
     cpu_kernels.pack_linears(stack(), checks=third)
     assert len(calls) == 4 + 3 * identical
+
+
+@pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
+def test_an_identical_kernel_that_is_slower_than_f_linear_does_not_run(monkeypatch):
+    # Identity makes a kernel safe, not fast (on an Intel Xeon the split GEMM loses to F.linear at
+    # 1-8 rows): here F.linear wins at every row count, so neither kernel runs and nothing stays packed.
+    timed = _fixed_race(monkeypatch, {fastpath.SPLIT: 2.0, fastpath.PACKED: 3.0, fastpath.LINEAR: 1.0})
+    split_calls, packed_calls = _count_calls(monkeypatch, "split_compute"), _count_calls(monkeypatch)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        checks = FastPathChecks()
+        plain, model = _linear_stack(8), _linear_stack(8)
+        cpu_kernels.pack_linears(model, checks=checks)
+        assert timed  # the load-time row counts were raced
+        split_calls.clear(), packed_calls.clear()
+        with torch.inference_mode():
+            for rows in (1, 16, 32):
+                x = torch.randn(rows, 96)
+                assert torch.equal(model(x), plain(x)) and torch.equal(model(x), plain(x))
+    finally:
+        torch.set_num_threads(saved)
+    assert split_calls == [] and packed_calls == []  # F.linear computed every one of them
+    assert all(m.forward.packed is None for m in model)  # packed for the check only, then let go
+    report = checks.report()
+    assert report["split_linear"]["shapes"]["96->200"]["split_rows"] == [1, 16, 32]  # identical: it was not that
+    routes = report["linear_routes"]["shapes"]["96->200"]
+    assert {r: v["ran"] for r, v in routes.items()} == {"1": "F.linear", "16": "F.linear", "32": "F.linear"}
+    assert routes["16"]["ms"] == {"split": 2.0, "packed": 3.0, "F.linear": 1.0}
+
+
+@pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
+def test_the_race_runs_the_fastest_it_timed_and_a_second_load_reuses_it(tmp_path, monkeypatch):
+    # The real race on this CPU: whichever entrant won is the one with the best time, it is what
+    # computes those rows, and the next process takes the verdict from the file without timing.
+    from workbench.engine.run.verdicts import VerdictStore
+
+    split_calls, packed_calls = _count_calls(monkeypatch, "split_compute"), _count_calls(monkeypatch)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        checks = FastPathChecks(VerdictStore(tmp_path / "verdicts.json"))
+        plain, model = _linear_stack(9), _linear_stack(9)
+        cpu_kernels.pack_linears(model, checks=checks)
+        routes = checks.report()["linear_routes"]["shapes"]
+        assert set(routes) == {"96->200", "200->64 +bias"} and all(set(r) == {"1", "16", "32"} for r in routes.values())
+        for rows in routes.values():
+            for v in rows.values():
+                assert v["ms"][v["ran"]] == min(v["ms"].values()) and "F.linear" in v["ms"]
+        split_calls.clear(), packed_calls.clear()
+        ready = [m.forward.packed is not None for m in model]  # a packed winner stays packed from its check
+        with torch.inference_mode():
+            x = torch.randn(32, 96)
+            for _ in range(2):  # else the packed GEMM runs from its layer's second call
+                assert torch.equal(model(x), plain(x))
+        ran = {f"{m.in_features}->{m.out_features}{' +bias' if m.bias is not None else ''}": m.forward.route(32)
+               for m in model}
+        assert split_calls.count(32) == 2 * sum(k == "split" for k in ran.values())
+        assert packed_calls.count(32) == sum((1 + r) * (k == "packed") for k, r in zip(ran.values(), ready, strict=True))
+        assert {n: k or "F.linear" for n, k in ran.items()} == {n: r["32"]["ran"] for n, r in routes.items()}
+        timed = _fixed_race(monkeypatch, {})  # any timing now would fail: ms has no entrant
+        second = FastPathChecks(VerdictStore(tmp_path / "verdicts.json"))
+        cpu_kernels.pack_linears(_linear_stack(9), checks=second)
+    finally:
+        torch.set_num_threads(saved)
+    assert timed == []
+    again = second.report()["linear_routes"]["shapes"]
+    assert {n: {r: v["ran"] for r, v in rows.items()} for n, rows in again.items()} == \
+        {n: {r: v["ran"] for r, v in rows.items()} for n, rows in routes.items()}
+    assert all(v["source"].startswith("cached verdict from 20") for rows in again.values() for v in rows.values())
 
 
 def test_the_verdict_file_is_keyed_by_what_the_verdicts_depend_on(monkeypatch):

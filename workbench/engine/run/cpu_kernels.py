@@ -19,7 +19,8 @@ Two kernels:
   output rows into one slice per thread and run the slices' GEMMs in parallel
   (`PackedLinear.split_compute`, `torch.bmm`), where the check finds that identical to `F.linear`:
   below 16 rows MKL runs `F.linear` on one thread, and up to 64 rows one slice per thread beats
-  its own threading, packed or not. Rows below `PACKED_MIN_ROWS` do not pack (a GEMV-like path,
+  its own threading, packed or not (on the AMD EPYC it was measured on; on an Intel Xeon it is
+  slower, which is why what runs is also raced, fastpath.py). Rows below `PACKED_MIN_ROWS` do not pack (a GEMV-like path,
   where packing buys nothing). Rows above `PACKED_MAX_ROWS` (a prefill chunk: the per-call packing is then a
   small share of the GEMM, and each new row count would cost a check).
 
@@ -45,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.engine.run.fastpath import CHECKS, PACKED, SPLIT, FastPathChecks
+from workbench.engine.run.fastpath import CHECKS, LINEAR, PACKED, SPLIT, FastPathChecks
 
 SOURCE = Path(__file__).parent / "kernels" / "decode_attention.c"
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
@@ -216,18 +217,22 @@ class PackedLinear:
         return y.transpose(0, 1).reshape(rows, n)  # [parts, rows, n/parts] -> [rows, n]
 
     def route(self, rows: int) -> str | None:
-        """Which kernel computes `rows` rows: SPLIT, PACKED or None (`F.linear`). The split GEMM
-        first up to SPLIT_MAX_ROWS, the packed one in its range, each only where its check found
-        it identical to `F.linear` on this CPU (checked on first ask, then kept)."""
+        """Which kernel computes `rows` rows: SPLIT, PACKED or None (`F.linear`). The candidates
+        are the split GEMM up to SPLIT_MAX_ROWS and the packed one in its range, each only where
+        its check found it identical to `F.linear` on this CPU; of those and `F.linear`, the
+        fastest on this CPU runs (fastpath's race). Decided on first ask, then kept."""
         key = (rows, torch.get_num_threads())
         kind = self._routes.get(key, ())
         if kind == ():
-            kind = None
+            kinds = []
             if 1 <= rows <= SPLIT_MAX_ROWS and self.can_split() and self.checks.linear_ok(self, rows, SPLIT):
-                kind = SPLIT
-            elif PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS and self.checks.linear_ok(self, rows):
-                kind = PACKED
-            self._routes[key] = kind
+                kinds.append(SPLIT)
+            if PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS and self.checks.linear_ok(self, rows):
+                kinds.append(PACKED)
+            won = self.checks.fastest(self, rows, tuple(kinds))
+            kind = self._routes[key] = None if won == LINEAR else won
+            if self.packed is not None and PACKED not in self._routes.values():
+                self.packed = None  # packed only for its check or the race: no row count runs it
         return kind
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,12 @@ report the engine config and traces carry (`report()`). Does not own the kernels
   as for the whole weight is what the check decides, per the same key as the packed GEMM's (plus
   the kind). Where the split is refused (or cannot split: one thread, or output rows that do not
   divide), 16-64 rows fall back to the packed GEMM under its own check.
+- **The race**: identity makes a kernel safe, not fast. On an Intel Xeon (AVX-512, 2 cores) the
+  split GEMM is slower than `F.linear` at 1-8 rows and than the packed GEMM at 32 (SmolLM2's
+  GEMMs at 32 rows: 67 ms split, 48 ms packed), the opposite of the AMD EPYC above. So among the
+  kernels found identical for a shape and row count, and `F.linear` itself, the one that runs is
+  the fastest of a timed race on this CPU (`fastest`: best of `RACE_REPEATS`, interleaved, on the
+  check's probe input). Every entrant computes the same bits, so the race can only change speed.
 - **Paged decode attention** (kernels/decode_attention.c instead of gather + masked
   `scaled_dot_product_attention`): at one decode row the torch path computes exactly what
   transformers computes (no padding), so the kernel is used there only if it is bit-identical to it
@@ -55,6 +61,8 @@ ENV_SWITCH = "WORKBENCH_CPU_KERNELS"  # "0": no native kernels; "exact": bit ide
 ATTENTION_ERROR_FACTOR = 4.0
 LOAD_TIME_ROWS = (1, 16, 32)  # decode batch sizes checked before the first request (the rest on first use)
 PACKED, SPLIT = "packed", "split"  # the two replacements of F.linear a LinearVerdict can be about
+LINEAR = "F.linear"  # the op they replace, which the race (`fastest`) also enters
+RACE_REPEATS = 3  # timed calls per entrant (after one untimed), the best one counts
 
 
 def exact_only() -> bool:
@@ -71,6 +79,15 @@ class LinearVerdict:
     identical: bool
     max_abs_diff: float
     source: str = CHECKED_NOW  # or "cached verdict from <date>" (verdicts.py)
+
+
+@dataclass(slots=True)
+class RaceVerdict:
+    """Which of F.linear and the kernels identical to it ran fastest for one shape at one row count."""
+
+    winner: str  # SPLIT, PACKED or LINEAR
+    ms: dict[str, float]  # each entrant's best time
+    source: str = CHECKED_NOW
 
 
 @dataclass(slots=True)
@@ -92,6 +109,7 @@ class FastPathChecks:
 
     store: VerdictStore | None = None
     linear: dict[tuple[int, int, bool, int, int, str], LinearVerdict] = field(default_factory=dict)
+    races: dict[tuple[int, int, bool, int, int, str], RaceVerdict] = field(default_factory=dict)
     attention: dict[tuple[int, int, int], AttentionVerdict] = field(default_factory=dict)
     load_seconds: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -118,15 +136,57 @@ class FastPathChecks:
 
     @staticmethod
     def _verify_linear(packed: Any, module: torch.nn.Linear, rows: int, kind: str) -> LinearVerdict:
-        gen = torch.Generator().manual_seed(rows)
-        # activations of both signs and a spread of magnitudes, like a hidden state
-        x = torch.randn(rows, packed.in_features, generator=gen) * torch.rand(rows, 1, generator=gen).mul(8)
+        x = _probe(rows, packed.in_features)
         with torch.inference_mode():
             want = F.linear(x, module.weight, module.bias)
             got = packed.compute(x) if kind == PACKED else packed.split_compute(x)
         if torch.equal(got, want):
             return LinearVerdict(True, 0.0)
         return LinearVerdict(False, float((got - want).abs().max()))
+
+    def fastest(self, packed: Any, rows: int, kinds: tuple[str, ...]) -> str:
+        """The fastest, for `packed`'s shape at `rows` rows, of `kinds` (kernels its checks found
+        identical to F.linear) and LINEAR itself. Raced on first ask, then kept for the process
+        and in the verdict file (keyed also by the entrants, so a changed verdict races again)."""
+        if not kinds:
+            return LINEAR
+        entrants = (*kinds, LINEAR)
+        module = packed.module
+        key = (packed.out_features, packed.in_features, module.bias is not None, rows, torch.get_num_threads(),
+               "+".join(entrants))
+        verdict = self.races.get(key)
+        if verdict is None:
+            cached = self.store.get_race(key) if self.store is not None else None
+            if cached is not None and cached[0] in entrants:
+                verdict = RaceVerdict(cached[0], cached[1], f"cached verdict from {cached[2]}")
+            else:
+                verdict = self._race(packed, module, rows, entrants)
+                if self.store is not None:
+                    self.store.put_race(key, verdict.winner, verdict.ms)
+            with self.lock:
+                self.races[key] = verdict
+        return verdict.winner
+
+    @classmethod
+    def _race(cls, packed: Any, module: torch.nn.Linear, rows: int, entrants: tuple[str, ...]) -> RaceVerdict:
+        x = _probe(rows, packed.in_features)
+        run = {SPLIT: packed.split_compute, PACKED: packed.compute,
+               LINEAR: lambda x: F.linear(x, module.weight, module.bias)}
+        best = dict.fromkeys(entrants, float("inf"))
+        with torch.inference_mode():
+            for kind in entrants:  # not counted: first-call costs (the packing itself) are not the kernel's speed
+                cls._time(kind, run[kind], x)
+            for _ in range(RACE_REPEATS):
+                for kind in entrants:
+                    best[kind] = min(best[kind], cls._time(kind, run[kind], x))
+        return RaceVerdict(min(entrants, key=best.__getitem__), {k: round(t * 1e3, 4) for k, t in best.items()})
+
+    @staticmethod
+    def _time(kind: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
+        """Seconds one call of `fn` (the entrant `kind`) takes."""
+        start = time.perf_counter()
+        fn(x)
+        return time.perf_counter() - start
 
     def verify_model(self, layers: list[Any], rows: tuple[int, ...] = LOAD_TIME_ROWS) -> None:
         """Decide each distinct layer shape's kernel at the decode batch sizes `rows` now (load
@@ -159,6 +219,9 @@ class FastPathChecks:
     # --- what ran, for the engine config and the trace ----------------------------------------
 
     def report(self) -> dict[str, Any]:
+        from workbench.engine.run.cpu_kernels import PACKED_MAX_ROWS, SPLIT_MAX_ROWS
+
+        lo, hi, split_max = SPLIT_MAX_ROWS + 1, PACKED_MAX_ROWS, SPLIT_MAX_ROWS
         by_shape: dict[str, dict[str, list[int]]] = {}
         split: dict[str, dict[str, list[int]]] = {}
         reasons: list[str] = []
@@ -175,6 +238,10 @@ class FastPathChecks:
             if not v.identical:
                 reasons.append(f"{k}->{n} at {rows} rows ({threads} threads): {kind} differs from F.linear "
                                f"by up to {v.max_abs_diff:.3g}; F.linear is used")
+        routes: dict[str, dict[str, dict[str, Any]]] = {}
+        for (n, k, bias, rows, _threads, _entrants), v in sorted(self.races.items()):
+            routes.setdefault(f"{k}->{n}{' +bias' if bias else ''}", {})[str(rows)] = {
+                "ran": v.winner, "ms": v.ms, "source": v.source}
         attention = {}
         for (h, kvh, d), v in self.attention.items():
             attention[f"{h}x{kvh}x{d}"] = {
@@ -190,20 +257,32 @@ class FastPathChecks:
                  f"{v.torch_error:.3g}"),
                 "check_seconds": round(v.seconds, 3)}
         return {"policy": "exact" if exact_only() else "packed or split GEMM only where bit-identical to F.linear "
-                "(per shape and row count, checked on this CPU); decode attention as the report says",
+                "(per shape and row count, checked on this CPU), and only where faster; decode attention as "
+                "the report says",
                 "packed_linear": {"shapes": by_shape, "refused": reasons, "verdicts": sources,
                                   "verdict_file": str(self.store.path) if self.store is not None else None,
                                   "unchecked_rows": "verified on first use, then kept for the process"
                                   + (" and in the verdict file" if self.store is not None else ""),
-                                  "packing": "each layer's weight is packed on its second call at "
-                                  "16-256 rows (a command that never runs such batches never packs)",
+                                  "packing": f"each layer's weight is packed on its second packed call "
+                                  f"({lo}-{hi} rows where the split GEMM is not used; a command that never "
+                                  "runs such batches never packs)",
                                   "load_check_seconds": round(self.load_seconds, 3)},
                 "split_linear": {"shapes": split,
-                                 "how": "1-15 rows (decode batches below the packed range): the weight's "
+                                 "how": f"1-{split_max} rows (decode batches): the weight's "
                                  "output rows split into one slice per thread, one GEMM each in parallel "
                                  "(torch.bmm over the slices), used only where identical to F.linear; "
                                  "refusals are listed under packed_linear.refused"},
+                "linear_routes": {"shapes": routes,
+                                  "how": "what ran per shape and row count: the fastest of F.linear and the "
+                                  f"kernels identical to it, timed on this CPU (best of {RACE_REPEATS} calls "
+                                  "each, ms)"},
                 "attention": attention}
+
+
+def _probe(rows: int, in_features: int) -> torch.Tensor:
+    """The checks' seeded input: activations of both signs and a spread of magnitudes, like a hidden state."""
+    gen = torch.Generator().manual_seed(rows)
+    return torch.randn(rows, in_features, generator=gen) * torch.rand(rows, 1, generator=gen).mul(8)
 
 
 def _torch_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, idx: torch.Tensor,

@@ -10,6 +10,11 @@ MKL's version and torch's build (both in `torch.__config__.show()`), the thread 
 verdict's own key) and on how cpu_kernels.py calls MKL. All of these go into the file's key, so a
 different machine, a torch upgrade or an edit of the kernel code starts a new file and is checked
 afresh. `WORKBENCH_FASTPATH_CACHE=0` turns the file off (every process checks for itself).
+
+Beside the identity verdicts the file keeps the races (fastpath.FastPathChecks.fastest): which of
+the identical kernels and `F.linear` ran fastest for a shape at a row count, with the times, so a
+warm load times nothing either. Speed, unlike identity, also depends on the load the race ran
+under; the entry says when it ran and the report shows the times.
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ class VerdictStore:
 
     def __init__(self, path: Path | None = None) -> None:
         self._path = path
-        self._entries: dict[str, dict[str, Any]] | None = None
+        self._entries: dict[str, dict[str, dict[str, Any]]] | None = None  # section -> name -> entry
 
     @property
     def path(self) -> Path:
@@ -86,31 +91,47 @@ class VerdictStore:
             self._path = default_path()
         return self._path
 
-    def _load(self) -> dict[str, dict[str, Any]]:
+    def _load(self) -> dict[str, dict[str, dict[str, Any]]]:
         if self._entries is None:
             try:
                 data = json.loads(self.path.read_text())
-                linear = data.get("linear", {}) if isinstance(data, dict) else {}
-                self._entries = {k: v for k, v in linear.items() if isinstance(v, dict)
-                                 and isinstance(v.get("identical"), bool)
-                                 and isinstance(v.get("max_abs_diff"), (int, float))
-                                 and isinstance(v.get("checked_at"), str)}
+                data = data if isinstance(data, dict) else {}
             except (OSError, ValueError):
-                self._entries = {}
+                data = {}
+            linear, race = data.get("linear"), data.get("race")
+            self._entries = {
+                "linear": {k: v for k, v in (linear if isinstance(linear, dict) else {}).items()
+                           if isinstance(v, dict) and isinstance(v.get("identical"), bool)
+                           and isinstance(v.get("max_abs_diff"), (int, float)) and isinstance(v.get("checked_at"), str)},
+                "race": {k: v for k, v in (race if isinstance(race, dict) else {}).items()
+                         if isinstance(v, dict) and isinstance(v.get("winner"), str) and isinstance(v.get("ms"), dict)
+                         and all(isinstance(t, (int, float)) for t in v["ms"].values())
+                         and isinstance(v.get("checked_at"), str)}}
         return self._entries
 
     def get(self, key: LinearKey) -> tuple[bool, float, str] | None:
         """(identical, max_abs_diff, checked_at) of a verdict found on this machine before, or None."""
-        v = self._load().get(_name(key))
+        v = self._load()["linear"].get(_name(key))
         return None if v is None else (v["identical"], float(v["max_abs_diff"]), v["checked_at"])
 
     def put(self, key: LinearKey, identical: bool, max_abs_diff: float) -> None:
         """Keep one verdict (best effort: an unwritable cache only means the next process checks again)."""
-        entries = self._load()
-        entries[_name(key)] = {"identical": identical, "max_abs_diff": max_abs_diff,
-                               "checked_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        self._put("linear", key, {"identical": identical, "max_abs_diff": max_abs_diff})
+
+    def get_race(self, key: LinearKey) -> tuple[str, dict[str, float], str] | None:
+        """(winner, best ms per entrant, checked_at) of a race run on this machine before, or None."""
+        v = self._load()["race"].get(_name(key))
+        return None if v is None else (v["winner"], {k: float(t) for k, t in v["ms"].items()}, v["checked_at"])
+
+    def put_race(self, key: LinearKey, winner: str, ms: dict[str, float]) -> None:
+        self._put("race", key, {"winner": winner, "ms": ms})
+
+    def _put(self, section: str, key: LinearKey, entry: dict[str, Any]) -> None:
+        mine = self._load()
+        mine[section][_name(key)] = {**entry, "checked_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
         self._entries = None
-        merged = {**self._load(), **entries}  # what another process wrote meanwhile, plus ours
+        theirs = self._load()  # what another process wrote meanwhile, plus ours
+        merged = {name: {**theirs[name], **mine[name]} for name in mine}
         self._entries = merged
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,7 +140,7 @@ class VerdictStore:
             return
         try:
             with os.fdopen(fd, "w") as f:
-                json.dump({"environment": environment(), "linear": merged}, f, indent=1, sort_keys=True)
+                json.dump({"environment": environment(), **merged}, f, indent=1, sort_keys=True)
             os.replace(tmp, self.path)
         except OSError:
             Path(tmp).unlink(missing_ok=True)
