@@ -56,12 +56,31 @@ import opentelemetry.exporter.otlp.proto.http.trace_exporter
 print('    vllm', vllm.__version__)"
     ;;
 llamacpp)
-    if has "import llama_cpp, llama_cpp.server.app, sys; sys.exit(llama_cpp.__version__ != '$LLAMACPP_VERSION')"; then
-        step "llama-cpp-python $LLAMACPP_VERSION already imports in $venv: nothing to build"
+    # ggml's AMX kernels (what a native build turns on on Sapphire Rapids and later Xeons) crash in
+    # the first multi-token decode of SmolLM2's Q4_1 GGUF (SIGSEGV in ggml_backend_amx_mul_mat;
+    # llama.cpp issues 20824 and 16315), so x86 builds name the CPU's vector extensions one by one,
+    # AMX left out, instead of -march=native. The flags are kept beside the build, and a build made
+    # with other flags (an older native one, another CPU) is rebuilt.
+    cmake_args=${LLAMACPP_CMAKE_ARGS:-}
+    if test -z "$cmake_args" && test "$(uname -m)" = x86_64 && test -r /proc/cpuinfo; then
+        flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+        cmake_args="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+        for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+                    avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+            case "$flags" in *" ${pair%%:*} "*) cmake_args="$cmake_args -DGGML_${pair#*:}=ON" ;; esac
+        done
+    fi
+    built_with="$venv/llamacpp-cmake-args"
+    if has "import llama_cpp, llama_cpp.server.app, sys; sys.exit(llama_cpp.__version__ != '$LLAMACPP_VERSION')" &&
+            test "$(cat "$built_with" 2>/dev/null)" = "$cmake_args"; then
+        step "llama-cpp-python $LLAMACPP_VERSION already imports in $venv (built with: ${cmake_args:-defaults}): nothing to build"
     else
-        step "llama-cpp-python[server] (pip compiles llama.cpp: several minutes on 2 cores)"
-        CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
-            "${pip[@]}" install --progress-bar on "llama-cpp-python[server]==$LLAMACPP_VERSION"
+        step "llama-cpp-python[server] (pip compiles llama.cpp: several minutes on 2 cores; cmake ${cmake_args:-defaults})"
+        "${pip[@]}" uninstall -y -q llama-cpp-python 2>/dev/null || true
+        # no wheel cache: pip keys it by version, not by these flags
+        CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
+            "${pip[@]}" install --progress-bar on --no-cache-dir "llama-cpp-python[server]==$LLAMACPP_VERSION"
+        printf '%s' "$cmake_args" > "$built_with"
     fi
     step "checking that llama_cpp.server imports"
     "$py" -c "import llama_cpp, llama_cpp.server.app; print('    llama_cpp', llama_cpp.__version__)"
