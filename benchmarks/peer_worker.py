@@ -39,8 +39,12 @@ class VllmPeer:
 
         params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=not eos)
         inputs = [{"prompt_token_ids": p} for p in prompts]
-        self.llm.generate(inputs[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
         groups = [inputs] if batch > 1 else [[x] for x in inputs]
+        # warm-up on the whole batch, as for the engine and transformers; then its prefix cache is
+        # emptied, so nothing of the warm-up (or an earlier round: this process serves every round)
+        # is reused by the timed run
+        self.llm.generate(groups[0], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+        self.llm.reset_prefix_cache()
         t0 = time.perf_counter()
         outs = [o for g in groups for o in self.llm.generate(g, params, use_tqdm=False)]
         secs = time.perf_counter() - t0
