@@ -46,7 +46,16 @@ from pathlib import Path
 
 import torch
 
-from workbench.engine.run.fastpath import CHECKS, LINEAR, PACKED, SPLIT, FastPathChecks
+from workbench.engine.run.fastpath import (
+    CHECKS,
+    LINEAR,
+    PACKED,
+    PACKED_MAX_ROWS,
+    PACKED_MIN_ROWS,
+    SPLIT,
+    SPLIT_MAX_ROWS,
+    FastPathChecks,
+)
 
 SOURCE = Path(__file__).parent / "kernels" / "decode_attention.c"
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
@@ -121,8 +130,6 @@ def load() -> ctypes.CDLL | None:
     return _attention.get()
 
 
-PACKED_MIN_ROWS, PACKED_MAX_ROWS = 16, 256
-SPLIT_MAX_ROWS = 64  # 1-64 rows: the split GEMM first (PackedLinear.split_compute), then packed
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
 def _load_mkl() -> ctypes.CDLL | None:
     try:

@@ -62,6 +62,8 @@ ATTENTION_ERROR_FACTOR = 4.0
 LOAD_TIME_ROWS = (1, 16, 32)  # decode batch sizes checked before the first request (the rest on first use)
 PACKED, SPLIT = "packed", "split"  # the two replacements of F.linear a LinearVerdict can be about
 LINEAR = "F.linear"  # the op they replace, which the race (`fastest`) also enters
+# where each may run (cpu_kernels.PackedLinear.route): split at 1-64 rows, packed at 16-256
+PACKED_MIN_ROWS, PACKED_MAX_ROWS, SPLIT_MAX_ROWS = 16, 256, 64
 RACE_REPEATS = 3  # timed calls per entrant (after one untimed), the best one counts
 
 
@@ -219,8 +221,6 @@ class FastPathChecks:
     # --- what ran, for the engine config and the trace ----------------------------------------
 
     def report(self) -> dict[str, Any]:
-        from workbench.engine.run.cpu_kernels import PACKED_MAX_ROWS, SPLIT_MAX_ROWS
-
         lo, hi, split_max = SPLIT_MAX_ROWS + 1, PACKED_MAX_ROWS, SPLIT_MAX_ROWS
         by_shape: dict[str, dict[str, list[int]]] = {}
         split: dict[str, dict[str, list[int]]] = {}
