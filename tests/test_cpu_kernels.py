@@ -473,3 +473,53 @@ def test_the_engine_reports_which_kernels_ran_and_why(tiny):
         decided |= set(sum(packed.get(name, {}).values(), []))
         assert decided >= ({1, 16, 20, 32} if torch.get_num_threads() > 1 else {16, 20, 32}), name
         assert set(sum(packed.get(name, {}).values(), [])) >= refused & {16, 20, 32}, name
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+@pytest.mark.parametrize("vocab", [1, 2, 7, 1000, 49152])
+@pytest.mark.parametrize("temperature", [0.05, 1.0, 5.0])
+def test_the_native_draw_picks_exactly_the_tokens_the_float64_cumsum_formula_picks(vocab, temperature):
+    # Seeded sampling is replayable only if the same uniform picks the same token: the kernel must
+    # agree with the formula on every row, at the ends of [0, 1) and where top-k / top-p zeroed tails.
+    from workbench.engine.run.fastpath import draw_formula
+
+    gen = torch.Generator().manual_seed(vocab + int(temperature * 100))
+    logits = torch.randn(64, vocab, generator=gen) * 3 / temperature
+    logits[:16, max(1, vocab // 4):] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
+    u = torch.rand(64, generator=gen, dtype=torch.float64)
+    u[:4] = torch.tensor([0.0, 2.0 ** -60, 0.5, 1.0 - 2.0 ** -53], dtype=torch.float64)
+    got = cpu_kernels.sample_draw(probs, u)
+    assert got is not None  # built, and identical on this CPU's probes
+    assert torch.equal(got, draw_formula(probs, u))
+    strided = torch.softmax(torch.randn(8, vocab + 5, generator=gen), dim=-1)[:, :vocab]  # rows apart in memory
+    assert torch.equal(cpu_kernels.sample_draw(strided, u[:8]), draw_formula(strided, u[:8]))
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+def test_rows_with_nan_and_a_refused_draw_kernel_take_the_formula(monkeypatch):
+    from workbench.engine.run import fastpath
+    from workbench.engine.sample.sampler import Sampler
+
+    probs = torch.softmax(torch.randn(6, 300), dim=-1)
+    probs[2, 17] = float("nan")
+    u = torch.rand(6, dtype=torch.float64)
+    ids = cpu_kernels.sample_draw(probs, u)
+    assert ids[2] == -1 and torch.equal(ids[[0, 1, 3, 4, 5]], fastpath.draw_formula(probs, u)[[0, 1, 3, 4, 5]])
+    # a kernel one token off is refused by its check, and nothing calls it after
+    checks = FastPathChecks()
+    monkeypatch.setattr(cpu_kernels, "CHECKS", checks)
+    real = cpu_kernels._unchecked_draw
+    monkeypatch.setattr(cpu_kernels, "_unchecked_draw", lambda p, u: (real(p, u) + 1).clamp(max=p.shape[1] - 1))
+    assert cpu_kernels.sample_draw(probs, u) is None
+    assert checks.draw is not None and not checks.draw.identical and checks.draw.mismatches > 0
+    assert checks.report()["sample_draw"].startswith("torch: the kernel differed")
+    got, _ = Sampler().draw(probs[[0, 1]], _Greedy(2), u[[0, 1]])  # the sampler takes the formula
+    assert torch.equal(got, fastpath.draw_formula(probs[[0, 1]], u[[0, 1]]))
+
+
+class _Greedy:
+    """The one field Sampler.draw reads of a SamplingBatchInfo: which rows are greedy (none)."""
+
+    def __init__(self, rows: int) -> None:
+        self.greedy = torch.zeros(rows, dtype=torch.bool)

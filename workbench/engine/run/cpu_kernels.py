@@ -57,7 +57,7 @@ from workbench.engine.run.fastpath import (
     FastPathChecks,
 )
 
-SOURCE = Path(__file__).parent / "kernels" / "decode_attention.c"
+SOURCES = [Path(__file__).parent / "kernels" / name for name in ("decode_attention.c", "sample_draw.c")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 ENV_SWITCH = "WORKBENCH_CPU_KERNELS"
 
@@ -85,7 +85,7 @@ def cache_dir() -> Path:
 
 
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + " ".join([compiler, *FLAGS, platform.machine(), platform.node()]).encode())
     target = cache_dir() / f"decode_attention-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -94,8 +94,8 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
+                              text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
         os.replace(tmp, target)
@@ -119,6 +119,10 @@ def _load_attention() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
         [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
                                 ctypes.c_void_p]
+    draw = lib.wb_sample_draw
+    draw.restype = None
+    draw.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                     ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -384,3 +388,25 @@ def _unchecked_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
         raise IndexError("decode attention: a KV slot index or a row length is outside the pool / slot table")
     if rc != 0:
         raise MemoryError("decode attention kernel: out of memory for its score buffers")
+
+
+def sample_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """The sampler's inverse-CDF draw (`Sampler.draw`'s formula: float64 cumsum, count of the cdf at
+    or below `u * total`) for `probs [R, V]` CPU float32 and `u [R]` float64, by the native kernel
+    (kernels/sample_draw.c): ids `[R]` int64, -1 for a row it leaves to the formula (NaN
+    probabilities). None where the kernel does not apply: not built, not CPU float32, or not found
+    identical to the formula on this CPU (fastpath.py)."""
+    if probs.device.type != "cpu" or probs.dtype != torch.float32 or probs.dim() != 2 or probs.stride(1) != 1:
+        return None
+    lib = load()
+    if lib is None or not CHECKS.draw_ok(_unchecked_draw):
+        return None
+    return _unchecked_draw(probs, u)
+
+
+def _unchecked_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    u = u.to(torch.float64).contiguous()
+    out = torch.empty(probs.shape[0], dtype=torch.int64)
+    load().wb_sample_draw(probs.data_ptr(), probs.shape[0], probs.shape[1], probs.stride(0), u.data_ptr(),
+                          out.data_ptr(), torch.get_num_threads())
+    return out

@@ -93,6 +93,15 @@ class RaceVerdict:
 
 
 @dataclass(slots=True)
+class DrawVerdict:
+    """The sampler's native draw vs its torch formula, on seeded probe distributions."""
+
+    identical: bool
+    rows: int  # probe rows compared
+    mismatches: int
+
+
+@dataclass(slots=True)
 class AttentionVerdict:
     """The decode-attention kernel vs the torch path for one head layout."""
 
@@ -113,6 +122,7 @@ class FastPathChecks:
     linear: dict[tuple[int, int, bool, int, int, str], LinearVerdict] = field(default_factory=dict)
     races: dict[tuple[int, int, bool, int, int, str], RaceVerdict] = field(default_factory=dict)
     attention: dict[tuple[int, int, int], AttentionVerdict] = field(default_factory=dict)
+    draw: DrawVerdict | None = None
     load_seconds: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -204,6 +214,17 @@ class FastPathChecks:
                 p.route(r)
         self.load_seconds += time.perf_counter() - start
 
+    # --- the sampler's draw -------------------------------------------------------------------
+
+    def draw_ok(self, kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
+        """May the native draw (`kernel(probs, u) -> ids`) replace the sampler's formula? Verified
+        on first ask: the same ids on every probe row, bit for bit the formula's."""
+        if self.draw is None:
+            verdict = _verify_draw(kernel)
+            with self.lock:
+                self.draw = verdict
+        return self.draw.identical
+
     # --- decode attention ---------------------------------------------------------------------
 
     def attention_ok(self, rows: int, heads: int, kv_heads: int, head_dim: int,
@@ -242,6 +263,10 @@ class FastPathChecks:
         for (n, k, bias, rows, _threads, _entrants), v in sorted(self.races.items()):
             routes.setdefault(f"{k}->{n}{' +bias' if bias else ''}", {})[str(rows)] = {
                 "ran": v.winner, "ms": v.ms, "source": v.source}
+        draw = None if self.draw is None else (
+            f"kernel: the same ids as the float64-cumsum formula on all {self.draw.rows} probe rows"
+            if self.draw.identical else
+            f"torch: the kernel differed from the formula on {self.draw.mismatches} of {self.draw.rows} probe rows")
         attention = {}
         for (h, kvh, d), v in self.attention.items():
             attention[f"{h}x{kvh}x{d}"] = {
@@ -276,7 +301,29 @@ class FastPathChecks:
                                   "how": "what ran per shape and row count: the fastest of F.linear and the "
                                   f"kernels identical to it, timed on this CPU (best of {RACE_REPEATS} calls "
                                   "each, ms)"},
-                "attention": attention}
+                "attention": attention,
+                "sample_draw": draw}
+
+
+def draw_formula(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The sampler's inverse-CDF draw as torch computes it (sampler.Sampler.draw): ids `[R]`."""
+    cdf = probs.detach().to(torch.float64).cpu().cumsum(dim=-1)  # [R, V]
+    return (cdf <= u.to(torch.float64).cpu()[:, None] * cdf[:, -1:]).sum(dim=-1).clamp(max=probs.shape[-1] - 1)
+
+
+def _verify_draw(kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> DrawVerdict:
+    gen = torch.Generator().manual_seed(11)
+    rows = mismatches = 0
+    for vocab, temp in ((49152, 1.0), (49152, 0.2), (32000, 3.0), (7, 1.0), (1000, 0.05)):
+        logits = torch.randn(16, vocab, generator=gen) * 4 / temp
+        logits[:4, vocab // 3:] = float("-inf")  # rows whose tail was cut (top-k / top-p): zeros
+        probs = torch.softmax(logits, dim=-1)
+        u = torch.rand(16, generator=gen, dtype=torch.float64)
+        u[-1] = 1.0 - 2.0 ** -53  # the top end, where rounding could step past the last kept token
+        got, want = kernel(probs, u), draw_formula(probs, u)
+        rows += 16
+        mismatches += int((got != want).sum())
+    return DrawVerdict(mismatches == 0, rows, mismatches)
 
 
 def _probe(rows: int, in_features: int) -> torch.Tensor:

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from workbench.engine.run import cpu_kernels
+from workbench.engine.run.fastpath import draw_formula
 from workbench.engine.sample import grammar as grammar_mod
 from workbench.engine.sample import logprobs as lp_mod
 from workbench.engine.sample.argmax import first_argmax
@@ -327,8 +329,14 @@ class Sampler:
         if u is None:
             u = self.uniforms(info)
         u = u.to(torch.float64).cpu()
-        cdf = probs.detach().to(torch.float64).cpu().cumsum(dim=-1)  # [R, V]
-        ids = (cdf <= u[:, None] * cdf[:, -1:]).sum(dim=-1).clamp(max=probs.shape[-1] - 1)
+        # the float64 cumsum formula (fastpath.draw_formula), by the native kernel where it was found
+        # to give the same ids on this CPU; rows it leaves (NaN) and CPUs without it take the formula
+        ids = cpu_kernels.sample_draw(probs.detach(), u)
+        if ids is None:
+            ids = draw_formula(probs, u)
+        elif bool((ids < 0).any()):
+            left = _rows(ids < 0)
+            ids[left] = draw_formula(probs[left], u[left])
         # float rounding at the top end could land past the last kept token: take the last kept one
         bad = _rows(probs.detach().cpu().gather(1, ids[:, None])[:, 0] <= 0)
         for r in bad.tolist():
