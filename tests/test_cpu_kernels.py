@@ -512,8 +512,9 @@ def test_rows_with_nan_and_a_refused_draw_kernel_take_the_formula(monkeypatch):
     real = cpu_kernels._unchecked_draw
     monkeypatch.setattr(cpu_kernels, "_unchecked_draw", lambda p, u: (real(p, u) + 1).clamp(max=p.shape[1] - 1))
     assert cpu_kernels.sample_draw(probs, u) is None
-    assert checks.draw is not None and not checks.draw.identical and checks.draw.mismatches > 0
-    assert checks.report()["sample_draw"].startswith("torch: the kernel differed")
+    verdict = checks.sampler_kernels["sample_draw"]
+    assert not verdict.identical and verdict.mismatches > 0
+    assert checks.report()["sampler_kernels"]["sample_draw"].startswith("torch: the kernel differed")
     got, _ = Sampler().draw(probs[[0, 1]], _Greedy(2), u[[0, 1]])  # the sampler takes the formula
     assert torch.equal(got, fastpath.draw_formula(probs[[0, 1]], u[[0, 1]]))
 
@@ -523,3 +524,25 @@ class _Greedy:
 
     def __init__(self, rows: int) -> None:
         self.greedy = torch.zeros(rows, dtype=torch.bool)
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+@pytest.mark.parametrize("vocab", [1, 7, 49152])
+def test_token_ranks_by_the_native_count_equal_the_compare_and_count(vocab, monkeypatch):
+    # The rank the API reports (1 = the most likely token) for picked, sampled, tied, -inf and NaN
+    # picks comes out the same from the kernel as from the torch path it replaces.
+    from workbench.engine.sample import logprobs
+
+    gen = torch.Generator().manual_seed(vocab)
+    lp = torch.log_softmax(torch.randn(40, vocab, generator=gen).round(), dim=-1)  # rounded: ties
+    chosen = torch.randint(0, vocab, (40,), generator=gen)
+    chosen[:8] = lp[:8].argmax(-1)  # greedy rows
+    lp[9, 0] = float("nan")
+    lp[10] = float("-inf")
+    picked = lp.gather(1, chosen[:, None])[:, 0]
+    picked[11] = float("nan")
+    got = logprobs._ranks(lp, picked)
+    assert cpu_kernels.count_above(lp, picked) is not None  # the kernel ran
+    monkeypatch.setattr(cpu_kernels, "count_above", lambda lp, picked: None)
+    want = logprobs._ranks(lp, picked)  # the torch path
+    assert torch.equal(got, want) and torch.equal(got[:8], torch.ones(8, dtype=torch.int64))

@@ -55,6 +55,7 @@ from workbench.engine.run.fastpath import (
     SPLIT,
     SPLIT_MAX_ROWS,
     FastPathChecks,
+    draw_formula,
 )
 
 SOURCES = [Path(__file__).parent / "kernels" / name for name in ("decode_attention.c", "sample_draw.c")]
@@ -123,6 +124,10 @@ def _load_attention() -> ctypes.CDLL | None:
     draw.restype = None
     draw.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                      ctypes.c_void_p, ctypes.c_int]
+    count = lib.wb_count_above
+    count.restype = None
+    count.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                      ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -390,16 +395,44 @@ def _unchecked_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
         raise MemoryError("decode attention kernel: out of memory for its score buffers")
 
 
+def _rows_ok(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+
+
+def count_above(lp: torch.Tensor, picked: torch.Tensor) -> torch.Tensor | None:
+    """Per row of `lp [R, V]` (CPU float32), how many values are strictly above `picked [R]`:
+    `(lp > picked[:, None]).sum(-1)` by the native kernel, without the `[R, V]` mask. None where
+    it does not apply (not built, not CPU float32) or was not found identical (fastpath.py)."""
+    if not _rows_ok(lp) or picked.dtype != torch.float32:
+        return None
+    lib = load()
+    if lib is None or not CHECKS.sampler_kernel_ok("count_above", _unchecked_count, _count_formula):
+        return None
+    return _unchecked_count(lp, picked)
+
+
+def _count_formula(lp: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    return (lp > picked[:, None]).sum(dim=-1)
+
+
+def _unchecked_count(lp: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    picked = picked.contiguous()
+    out = torch.empty(lp.shape[0], dtype=torch.int64)
+    load().wb_count_above(lp.data_ptr(), lp.shape[0], lp.shape[1], lp.stride(0), picked.data_ptr(), out.data_ptr(),
+                          torch.get_num_threads())
+    return out
+
+
 def sample_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
     """The sampler's inverse-CDF draw (`Sampler.draw`'s formula: float64 cumsum, count of the cdf at
     or below `u * total`) for `probs [R, V]` CPU float32 and `u [R]` float64, by the native kernel
     (kernels/sample_draw.c): ids `[R]` int64, -1 for a row it leaves to the formula (NaN
     probabilities). None where the kernel does not apply: not built, not CPU float32, or not found
     identical to the formula on this CPU (fastpath.py)."""
-    if probs.device.type != "cpu" or probs.dtype != torch.float32 or probs.dim() != 2 or probs.stride(1) != 1:
+    if not _rows_ok(probs):
         return None
     lib = load()
-    if lib is None or not CHECKS.draw_ok(_unchecked_draw):
+    if lib is None or not CHECKS.sampler_kernel_ok("sample_draw", _unchecked_draw, draw_formula):
         return None
     return _unchecked_draw(probs, u)
 

@@ -94,7 +94,8 @@ class RaceVerdict:
 
 @dataclass(slots=True)
 class DrawVerdict:
-    """The sampler's native draw vs its torch formula, on seeded probe distributions."""
+    """One of the sampler's native kernels (the draw, the rank count) vs its torch formula, on
+    seeded probe distributions."""
 
     identical: bool
     rows: int  # probe rows compared
@@ -122,7 +123,7 @@ class FastPathChecks:
     linear: dict[tuple[int, int, bool, int, int, str], LinearVerdict] = field(default_factory=dict)
     races: dict[tuple[int, int, bool, int, int, str], RaceVerdict] = field(default_factory=dict)
     attention: dict[tuple[int, int, int], AttentionVerdict] = field(default_factory=dict)
-    draw: DrawVerdict | None = None
+    sampler_kernels: dict[str, DrawVerdict] = field(default_factory=dict)
     load_seconds: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -216,14 +217,16 @@ class FastPathChecks:
 
     # --- the sampler's draw -------------------------------------------------------------------
 
-    def draw_ok(self, kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
-        """May the native draw (`kernel(probs, u) -> ids`) replace the sampler's formula? Verified
-        on first ask: the same ids on every probe row, bit for bit the formula's."""
-        if self.draw is None:
-            verdict = _verify_draw(kernel)
+    def sampler_kernel_ok(self, name: str, kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                          formula: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
+        """May the sampler's native kernel `name` (`kernel(rows [R, V], per_row [R]) -> [R]`)
+        replace its torch `formula`? Verified on first ask: the same result on every probe row."""
+        verdict = self.sampler_kernels.get(name)
+        if verdict is None:
+            verdict = _verify_sampler_kernel(name, kernel, formula)
             with self.lock:
-                self.draw = verdict
-        return self.draw.identical
+                self.sampler_kernels[name] = verdict
+        return verdict.identical
 
     # --- decode attention ---------------------------------------------------------------------
 
@@ -263,10 +266,9 @@ class FastPathChecks:
         for (n, k, bias, rows, _threads, _entrants), v in sorted(self.races.items()):
             routes.setdefault(f"{k}->{n}{' +bias' if bias else ''}", {})[str(rows)] = {
                 "ran": v.winner, "ms": v.ms, "source": v.source}
-        draw = None if self.draw is None else (
-            f"kernel: the same ids as the float64-cumsum formula on all {self.draw.rows} probe rows"
-            if self.draw.identical else
-            f"torch: the kernel differed from the formula on {self.draw.mismatches} of {self.draw.rows} probe rows")
+        sampler = {name: (f"kernel: the same result as the torch formula on all {v.rows} probe rows" if v.identical
+                          else f"torch: the kernel differed from the formula on {v.mismatches} of {v.rows} probe rows")
+                   for name, v in sorted(self.sampler_kernels.items())}
         attention = {}
         for (h, kvh, d), v in self.attention.items():
             attention[f"{h}x{kvh}x{d}"] = {
@@ -302,7 +304,7 @@ class FastPathChecks:
                                   f"kernels identical to it, timed on this CPU (best of {RACE_REPEATS} calls "
                                   "each, ms)"},
                 "attention": attention,
-                "sample_draw": draw}
+                "sampler_kernels": sampler}
 
 
 def draw_formula(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -311,16 +313,22 @@ def draw_formula(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (cdf <= u.to(torch.float64).cpu()[:, None] * cdf[:, -1:]).sum(dim=-1).clamp(max=probs.shape[-1] - 1)
 
 
-def _verify_draw(kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> DrawVerdict:
+def _verify_sampler_kernel(name: str, kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                           formula: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> DrawVerdict:
     gen = torch.Generator().manual_seed(11)
     rows = mismatches = 0
     for vocab, temp in ((49152, 1.0), (49152, 0.2), (32000, 3.0), (7, 1.0), (1000, 0.05)):
         logits = torch.randn(16, vocab, generator=gen) * 4 / temp
         logits[:4, vocab // 3:] = float("-inf")  # rows whose tail was cut (top-k / top-p): zeros
-        probs = torch.softmax(logits, dim=-1)
-        u = torch.rand(16, generator=gen, dtype=torch.float64)
-        u[-1] = 1.0 - 2.0 ** -53  # the top end, where rounding could step past the last kept token
-        got, want = kernel(probs, u), draw_formula(probs, u)
+        if name == "sample_draw":
+            x = torch.softmax(logits, dim=-1)
+            per_row = torch.rand(16, generator=gen, dtype=torch.float64)
+            per_row[-1] = 1.0 - 2.0 ** -53  # the top end, where rounding could step past the last kept token
+        else:  # count_above: log-probabilities against a picked one, ties, -inf and a NaN row included
+            x = torch.log_softmax(logits, dim=-1)
+            per_row = x.gather(1, torch.randint(0, vocab, (16, 1), generator=gen))[:, 0].clone()
+            per_row[0], x[1, 0] = float("-inf"), float("nan")
+        got, want = kernel(x, per_row), formula(x, per_row)
         rows += 16
         mismatches += int((got != want).sum())
     return DrawVerdict(mismatches == 0, rows, mismatches)

@@ -49,3 +49,21 @@ void wb_sample_draw(const float *probs, int64_t rows, int64_t vocab, int64_t str
         out[r] = id < vocab ? id : vocab - 1;
     }
 }
+
+/* The rank of each row's picked token, less one: how many of the row's log-probabilities are
+ * strictly above `picked[r]` (logprobs.py, _ranks: 1 + count(lp > picked)). A comparison and a
+ * count are exact, NaN compares false as in torch, and this reads each row once instead of
+ * copying the rows and writing a [R, V] mask.
+ * lp [R, stride] rows of V float32; picked [R] float32; out [R] int64. */
+void wb_count_above(const float *lp, int64_t rows, int64_t vocab, int64_t stride, const float *picked,
+                    int64_t *out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *p = lp + r * stride;
+        const float x = picked[r];
+        int64_t count = 0;
+        for (int64_t i = 0; i < vocab; i++)
+            count += p[i] > x;
+        out[r] = count;
+    }
+}
