@@ -144,6 +144,14 @@ def _fixed_race(monkeypatch, ms: dict[str, float]) -> list[str]:
 
 
 @pytest.fixture
+def torch_threads():
+    """Sets torch's thread count for one test (the split GEMM needs two or more); restored after."""
+    saved = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture
 def kernels_win(monkeypatch):
     """Every identical kernel wins the race against F.linear (the split one first), as on the AMD
     EPYC these kernels were measured on."""
@@ -184,26 +192,23 @@ def test_packed_linears_give_exactly_what_f_linear_gives(rows, monkeypatch, pack
 @pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("rows", [1, 2, 5, 15, 16, 40, 64])
-def test_split_gemms_for_decode_batches_give_exactly_what_f_linear_gives(rows, threads, monkeypatch, kernels_win):
+def test_split_gemms_for_decode_batches_give_exactly_what_f_linear_gives(rows, threads, monkeypatch, kernels_win,
+                                                                          torch_threads):
     # On any CPU: 1-64 rows (decode batches) come out as F.linear's bits, and the split GEMM ran
     # exactly for the shapes this CPU's check found identical (with 3 threads, 64 output rows do
     # not split in three: not split, not checked).
     calls = _count_calls(monkeypatch, "split_compute")
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        checks = FastPathChecks()
-        plain, split = _linear_stack(6), _linear_stack(6)
-        assert cpu_kernels.pack_linears(split, checks=checks) > 0
-        at_load = {(k[0], k[1]) for k in checks.linear if k[5] == "split"}
-        assert at_load == {(m.out_features, m.in_features) for m in split if m.out_features % threads == 0}
-        calls.clear()
-        x = torch.randn(rows, 96) * 4
-        with torch.inference_mode():
-            assert torch.equal(split(x), plain(x))
-            assert torch.equal(split(x[None] * 3), plain(x[None] * 3))  # [1, rows, in] the same
-    finally:
-        torch.set_num_threads(saved)
+    torch_threads(threads)
+    checks = FastPathChecks()
+    plain, split = _linear_stack(6), _linear_stack(6)
+    assert cpu_kernels.pack_linears(split, checks=checks) > 0
+    at_load = {(k[0], k[1]) for k in checks.linear if k[5] == "split"}
+    assert at_load == {(m.out_features, m.in_features) for m in split if m.out_features % threads == 0}
+    calls.clear()
+    x = torch.randn(rows, 96) * 4
+    with torch.inference_mode():
+        assert torch.equal(split(x), plain(x))
+        assert torch.equal(split(x[None] * 3), plain(x[None] * 3))  # [1, rows, in] the same
     verdicts = {(k[0], k[1]): v.identical for k, v in checks.linear.items() if k[3] == rows and k[5] == "split"}
     assert set(verdicts) == {(m.out_features, m.in_features) for m in split if m.out_features % threads == 0}
     runs = sum(verdicts.values())  # once per identical layer per forward, plus each check's own compute
@@ -212,7 +217,7 @@ def test_split_gemms_for_decode_batches_give_exactly_what_f_linear_gives(rows, t
 
 
 @pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
-def test_a_split_gemm_that_differs_from_f_linear_is_refused_and_f_linear_runs(monkeypatch):
+def test_a_split_gemm_that_differs_from_f_linear_is_refused_and_f_linear_runs(monkeypatch, torch_threads):
     compute = cpu_kernels.PackedLinear.split_compute
 
     def off_by_one_ulp(self, x2):
@@ -221,17 +226,13 @@ def test_a_split_gemm_that_differs_from_f_linear_is_refused_and_f_linear_runs(mo
         return y
 
     monkeypatch.setattr(cpu_kernels.PackedLinear, "split_compute", off_by_one_ulp)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        checks = FastPathChecks()
-        plain, split = _linear_stack(7), _linear_stack(7)
-        cpu_kernels.pack_linears(split, checks=checks)
-        x = torch.randn(3, 96)
-        with torch.inference_mode():
-            assert torch.equal(split(x), plain(x))  # the wrong kernel never reaches the output
-    finally:
-        torch.set_num_threads(saved)
+    torch_threads(2)
+    checks = FastPathChecks()
+    plain, split = _linear_stack(7), _linear_stack(7)
+    cpu_kernels.pack_linears(split, checks=checks)
+    x = torch.randn(3, 96)
+    with torch.inference_mode():
+        assert torch.equal(split(x), plain(x))  # the wrong kernel never reaches the output
     report = checks.report()
     for shape in ("96->200", "200->64 +bias"):  # 1, 16 and 32 rows at load, 3 on first use
         assert report["split_linear"]["shapes"][shape] == {"split_rows": [], "refused_rows": [1, 3, 16, 32]}
@@ -329,25 +330,21 @@ def test_a_second_load_reuses_the_verdicts_on_disk_and_packs_only_what_runs(tmp_
 
 
 @pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
-def test_an_identical_kernel_that_is_slower_than_f_linear_does_not_run(monkeypatch):
+def test_an_identical_kernel_that_is_slower_than_f_linear_does_not_run(monkeypatch, torch_threads):
     # Identity makes a kernel safe, not fast (on an Intel Xeon the split GEMM loses to F.linear at
     # 1-8 rows): here F.linear wins at every row count, so neither kernel runs and nothing stays packed.
     timed = _fixed_race(monkeypatch, {fastpath.SPLIT: 2.0, fastpath.PACKED: 3.0, fastpath.LINEAR: 1.0})
     split_calls, packed_calls = _count_calls(monkeypatch, "split_compute"), _count_calls(monkeypatch)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        checks = FastPathChecks()
-        plain, model = _linear_stack(8), _linear_stack(8)
-        cpu_kernels.pack_linears(model, checks=checks)
-        assert timed  # the load-time row counts were raced
-        split_calls.clear(), packed_calls.clear()
-        with torch.inference_mode():
-            for rows in (1, 16, 32):
-                x = torch.randn(rows, 96)
-                assert torch.equal(model(x), plain(x)) and torch.equal(model(x), plain(x))
-    finally:
-        torch.set_num_threads(saved)
+    torch_threads(2)
+    checks = FastPathChecks()
+    plain, model = _linear_stack(8), _linear_stack(8)
+    cpu_kernels.pack_linears(model, checks=checks)
+    assert timed  # the load-time row counts were raced
+    split_calls.clear(), packed_calls.clear()
+    with torch.inference_mode():
+        for rows in (1, 16, 32):
+            x = torch.randn(rows, 96)
+            assert torch.equal(model(x), plain(x)) and torch.equal(model(x), plain(x))
     assert split_calls == [] and packed_calls == []  # F.linear computed every one of them
     assert all(m.forward.packed is None for m in model)  # packed for the check only, then let go
     report = checks.report()
@@ -358,39 +355,35 @@ def test_an_identical_kernel_that_is_slower_than_f_linear_does_not_run(monkeypat
 
 
 @pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
-def test_the_race_runs_the_fastest_it_timed_and_a_second_load_reuses_it(tmp_path, monkeypatch):
+def test_the_race_runs_the_fastest_it_timed_and_a_second_load_reuses_it(tmp_path, monkeypatch, torch_threads):
     # The real race on this CPU: whichever entrant won is the one with the best time, it is what
     # computes those rows, and the next process takes the verdict from the file without timing.
     from workbench.engine.run.verdicts import VerdictStore
 
     split_calls, packed_calls = _count_calls(monkeypatch, "split_compute"), _count_calls(monkeypatch)
-    saved = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        checks = FastPathChecks(VerdictStore(tmp_path / "verdicts.json"))
-        plain, model = _linear_stack(9), _linear_stack(9)
-        cpu_kernels.pack_linears(model, checks=checks)
-        routes = checks.report()["linear_routes"]["shapes"]
-        assert set(routes) == {"96->200", "200->64 +bias"} and all(set(r) == {"1", "16", "32"} for r in routes.values())
-        for rows in routes.values():
-            for v in rows.values():
-                assert v["ms"][v["ran"]] == min(v["ms"].values()) and "F.linear" in v["ms"]
-        split_calls.clear(), packed_calls.clear()
-        ready = [m.forward.packed is not None for m in model]  # a packed winner stays packed from its check
-        with torch.inference_mode():
-            x = torch.randn(32, 96)
-            for _ in range(2):  # else the packed GEMM runs from its layer's second call
-                assert torch.equal(model(x), plain(x))
-        ran = {f"{m.in_features}->{m.out_features}{' +bias' if m.bias is not None else ''}": m.forward.route(32)
-               for m in model}
-        assert split_calls.count(32) == 2 * sum(k == "split" for k in ran.values())
-        assert packed_calls.count(32) == sum((1 + r) * (k == "packed") for k, r in zip(ran.values(), ready, strict=True))
-        assert {n: k or "F.linear" for n, k in ran.items()} == {n: r["32"]["ran"] for n, r in routes.items()}
-        timed = _fixed_race(monkeypatch, {})  # any timing now would fail: ms has no entrant
-        second = FastPathChecks(VerdictStore(tmp_path / "verdicts.json"))
-        cpu_kernels.pack_linears(_linear_stack(9), checks=second)
-    finally:
-        torch.set_num_threads(saved)
+    torch_threads(2)
+    checks = FastPathChecks(VerdictStore(tmp_path / "verdicts.json"))
+    plain, model = _linear_stack(9), _linear_stack(9)
+    cpu_kernels.pack_linears(model, checks=checks)
+    routes = checks.report()["linear_routes"]["shapes"]
+    assert set(routes) == {"96->200", "200->64 +bias"} and all(set(r) == {"1", "16", "32"} for r in routes.values())
+    for rows in routes.values():
+        for v in rows.values():
+            assert v["ms"][v["ran"]] == min(v["ms"].values()) and "F.linear" in v["ms"]
+    split_calls.clear(), packed_calls.clear()
+    ready = [m.forward.packed is not None for m in model]  # a packed winner stays packed from its check
+    with torch.inference_mode():
+        x = torch.randn(32, 96)
+        for _ in range(2):  # else the packed GEMM runs from its layer's second call
+            assert torch.equal(model(x), plain(x))
+    ran = {f"{m.in_features}->{m.out_features}{' +bias' if m.bias is not None else ''}": m.forward.route(32)
+           for m in model}
+    assert split_calls.count(32) == 2 * sum(k == "split" for k in ran.values())
+    assert packed_calls.count(32) == sum((1 + r) * (k == "packed") for k, r in zip(ran.values(), ready, strict=True))
+    assert {n: k or "F.linear" for n, k in ran.items()} == {n: r["32"]["ran"] for n, r in routes.items()}
+    timed = _fixed_race(monkeypatch, {})  # any timing now would fail: ms has no entrant
+    second = FastPathChecks(VerdictStore(tmp_path / "verdicts.json"))
+    cpu_kernels.pack_linears(_linear_stack(9), checks=second)
     assert timed == []
     again = second.report()["linear_routes"]["shapes"]
     assert {n: {r: v["ran"] for r, v in rows.items()} for n, rows in again.items()} == \
