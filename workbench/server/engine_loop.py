@@ -125,7 +125,6 @@ class EngineLoop:
         self.engine = engine
         self.on_finished = on_finished
         self.idle_wait = idle_wait
-        self._released = True  # nothing held since the engine last went idle and handed memory back
         self.limits = limits or StreamLimits()
         self.stats = EngineStats(kv_total=engine.kv_total())
         self.accepting = True
@@ -293,23 +292,22 @@ class EngineLoop:
 
     def _run(self) -> None:
         engine = self.engine
-        busy, idle_since = False, 0.0
+        busy, idle_since, released = False, 0.0, True  # released: memory handed back since the last step
         while not self._stop.is_set():
             if not engine.has_work():
                 now = time.perf_counter()
                 if busy:
-                    busy, idle_since = False, now
-                    self._released = False
-                if not self._released and now - idle_since >= IDLE_RELEASE_AFTER:
+                    busy, idle_since, released = False, now, False
+                if not released and now - idle_since >= IDLE_RELEASE_AFTER:
                     # idle a while: what the finished requests left goes back to the OS. Not at every
                     # idle moment: a bulk request whose window all finished together leaves the engine
                     # idle for a step, and a collection, a heap trim (whose pages fault back in) and
                     # fresh sampler buffers there cost every request a step's worth (py-spy: 3% of the
                     # engine thread under a 5,000-prompt request)
-                    self._released = True
+                    released = True
                     engine.sampler.release_buffers()  # up to [max running, vocab] x 2 floats
                     release_idle_memory()
-                self._wake.wait(self.idle_wait if self._released else min(self.idle_wait, IDLE_RELEASE_AFTER))
+                self._wake.wait(self.idle_wait if released else min(self.idle_wait, IDLE_RELEASE_AFTER))
                 self._wake.clear()
                 continue
             t0, busy = time.perf_counter(), True

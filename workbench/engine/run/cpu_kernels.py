@@ -55,7 +55,6 @@ from workbench.engine.run.fastpath import (
     SPLIT,
     SPLIT_MAX_ROWS,
     FastPathChecks,
-    draw_formula,
 )
 
 SOURCES = [Path(__file__).parent / "kernels" / name for name in ("decode_attention.c", "sample_draw.c")]
@@ -394,52 +393,3 @@ def _unchecked_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Te
     if rc != 0:
         raise MemoryError("decode attention kernel: out of memory for its score buffers")
 
-
-def _rows_ok(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
-
-
-def count_above(lp: torch.Tensor, picked: torch.Tensor) -> torch.Tensor | None:
-    """Per row of `lp [R, V]` (CPU float32), how many values are strictly above `picked [R]`:
-    `(lp > picked[:, None]).sum(-1)` by the native kernel, without the `[R, V]` mask. None where
-    it does not apply (not built, not CPU float32) or was not found identical (fastpath.py)."""
-    if not _rows_ok(lp) or picked.dtype != torch.float32:
-        return None
-    lib = load()
-    if lib is None or not CHECKS.sampler_kernel_ok("count_above", _unchecked_count, _count_formula):
-        return None
-    return _unchecked_count(lp, picked)
-
-
-def _count_formula(lp: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
-    return (lp > picked[:, None]).sum(dim=-1)
-
-
-def _unchecked_count(lp: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
-    picked = picked.contiguous()
-    out = torch.empty(lp.shape[0], dtype=torch.int64)
-    load().wb_count_above(lp.data_ptr(), lp.shape[0], lp.shape[1], lp.stride(0), picked.data_ptr(), out.data_ptr(),
-                          torch.get_num_threads())
-    return out
-
-
-def sample_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
-    """The sampler's inverse-CDF draw (`Sampler.draw`'s formula: float64 cumsum, count of the cdf at
-    or below `u * total`) for `probs [R, V]` CPU float32 and `u [R]` float64, by the native kernel
-    (kernels/sample_draw.c): ids `[R]` int64, -1 for a row it leaves to the formula (NaN
-    probabilities). None where the kernel does not apply: not built, not CPU float32, or not found
-    identical to the formula on this CPU (fastpath.py)."""
-    if not _rows_ok(probs):
-        return None
-    lib = load()
-    if lib is None or not CHECKS.sampler_kernel_ok("sample_draw", _unchecked_draw, draw_formula):
-        return None
-    return _unchecked_draw(probs, u)
-
-
-def _unchecked_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    u = u.to(torch.float64).contiguous()
-    out = torch.empty(probs.shape[0], dtype=torch.int64)
-    load().wb_sample_draw(probs.data_ptr(), probs.shape[0], probs.shape[1], probs.stride(0), u.data_ptr(),
-                          out.data_ptr(), torch.get_num_threads())
-    return out

@@ -134,18 +134,28 @@ class FastPathChecks:
         (`kind` PACKED) or its split GEMM (SPLIT)? Verified on first ask."""
         module = packed.module
         key = (packed.out_features, packed.in_features, module.bias is not None, rows, torch.get_num_threads(), kind)
-        verdict = self.linear.get(key)
+
+        def cached(store: VerdictStore) -> LinearVerdict | None:
+            found = store.get(key)
+            return None if found is None else LinearVerdict(found[0], found[1], f"cached verdict from {found[2]}")
+
+        return self._kept(self.linear, key, cached, lambda: self._verify_linear(packed, module, rows, kind),
+                          lambda store, v: store.put(key, v.identical, v.max_abs_diff)).identical
+
+    def _kept(self, table: dict, key: tuple, cached: Callable[[VerdictStore], Any], decide: Callable[[], Any],
+              keep: Callable[[VerdictStore, Any], None]) -> Any:
+        """`table[key]`, else what an earlier process left in the verdict file (`cached`), else
+        `decide()` now, kept in the file (`keep`) and in `table` for the rest of the process."""
+        verdict = table.get(key)
         if verdict is None:
-            cached = self.store.get(key) if self.store is not None else None
-            if cached is not None:
-                verdict = LinearVerdict(cached[0], cached[1], f"cached verdict from {cached[2]}")
-            else:
-                verdict = self._verify_linear(packed, module, rows, kind)
+            verdict = cached(self.store) if self.store is not None else None
+            if verdict is None:
+                verdict = decide()
                 if self.store is not None:
-                    self.store.put(key, verdict.identical, verdict.max_abs_diff)
+                    keep(self.store, verdict)
             with self.lock:
-                self.linear[key] = verdict
-        return verdict.identical
+                table[key] = verdict
+        return verdict
 
     @staticmethod
     def _verify_linear(packed: Any, module: torch.nn.Linear, rows: int, kind: str) -> LinearVerdict:
@@ -167,18 +177,14 @@ class FastPathChecks:
         module = packed.module
         key = (packed.out_features, packed.in_features, module.bias is not None, rows, torch.get_num_threads(),
                "+".join(entrants))
-        verdict = self.races.get(key)
-        if verdict is None:
-            cached = self.store.get_race(key) if self.store is not None else None
-            if cached is not None and cached[0] in entrants:
-                verdict = RaceVerdict(cached[0], cached[1], f"cached verdict from {cached[2]}")
-            else:
-                verdict = self._race(packed, module, rows, entrants)
-                if self.store is not None:
-                    self.store.put_race(key, verdict.winner, verdict.ms)
-            with self.lock:
-                self.races[key] = verdict
-        return verdict.winner
+
+        def cached(store: VerdictStore) -> RaceVerdict | None:
+            found = store.get_race(key)
+            return None if found is None or found[0] not in entrants else \
+                RaceVerdict(found[0], found[1], f"cached verdict from {found[2]}")
+
+        return self._kept(self.races, key, cached, lambda: self._race(packed, module, rows, entrants),
+                          lambda store, v: store.put_race(key, v.winner, v.ms)).winner
 
     @classmethod
     def _race(cls, packed: Any, module: torch.nn.Linear, rows: int, entrants: tuple[str, ...]) -> RaceVerdict:
@@ -218,12 +224,14 @@ class FastPathChecks:
     # --- the sampler's draw -------------------------------------------------------------------
 
     def sampler_kernel_ok(self, name: str, kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                          formula: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
+                          formula: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                          probe: Callable[[torch.Tensor, torch.Generator], tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """May the sampler's native kernel `name` (`kernel(rows [R, V], per_row [R]) -> [R]`)
-        replace its torch `formula`? Verified on first ask: the same result on every probe row."""
+        replace its torch `formula`? Verified on first ask: the same result on every probe row,
+        `probe(logits, generator)` making the kernel's inputs from seeded logits."""
         verdict = self.sampler_kernels.get(name)
         if verdict is None:
-            verdict = _verify_sampler_kernel(name, kernel, formula)
+            verdict = _verify_sampler_kernel(kernel, formula, probe)
             with self.lock:
                 self.sampler_kernels[name] = verdict
         return verdict.identical
@@ -307,27 +315,16 @@ class FastPathChecks:
                 "sampler_kernels": sampler}
 
 
-def draw_formula(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The sampler's inverse-CDF draw as torch computes it (sampler.Sampler.draw): ids `[R]`."""
-    cdf = probs.detach().to(torch.float64).cpu().cumsum(dim=-1)  # [R, V]
-    return (cdf <= u.to(torch.float64).cpu()[:, None] * cdf[:, -1:]).sum(dim=-1).clamp(max=probs.shape[-1] - 1)
-
-
-def _verify_sampler_kernel(name: str, kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                           formula: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> DrawVerdict:
+def _verify_sampler_kernel(kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                           formula: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                           probe: Callable[[torch.Tensor, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+                           ) -> DrawVerdict:
     gen = torch.Generator().manual_seed(11)
     rows = mismatches = 0
     for vocab, temp in ((49152, 1.0), (49152, 0.2), (32000, 3.0), (7, 1.0), (1000, 0.05)):
         logits = torch.randn(16, vocab, generator=gen) * 4 / temp
         logits[:4, vocab // 3:] = float("-inf")  # rows whose tail was cut (top-k / top-p): zeros
-        if name == "sample_draw":
-            x = torch.softmax(logits, dim=-1)
-            per_row = torch.rand(16, generator=gen, dtype=torch.float64)
-            per_row[-1] = 1.0 - 2.0 ** -53  # the top end, where rounding could step past the last kept token
-        else:  # count_above: log-probabilities against a picked one, ties, -inf and a NaN row included
-            x = torch.log_softmax(logits, dim=-1)
-            per_row = x.gather(1, torch.randint(0, vocab, (16, 1), generator=gen))[:, 0].clone()
-            per_row[0], x[1, 0] = float("-inf"), float("nan")
+        x, per_row = probe(logits, gen)
         got, want = kernel(x, per_row), formula(x, per_row)
         rows += 16
         mismatches += int((got != want).sum())
