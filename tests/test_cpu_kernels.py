@@ -177,7 +177,7 @@ def test_a_packed_gemm_that_differs_from_f_linear_is_refused_and_f_linear_runs(m
     assert any("200->64 at 40 rows" in r and "F.linear is used" in r for r in report["refused"])
 
 
-@pytest.mark.skipif(cpu_kernels.mkl() is None, reason="PACKED GEMM NOT CHECKED: this torch has no MKL packed sgemm")
+@pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
 def test_a_packed_model_is_freed_as_soon_as_it_is_dropped():
     import weakref
 
@@ -190,7 +190,7 @@ def test_a_packed_model_is_freed_as_soon_as_it_is_dropped():
     assert gone() is None
 
 
-@pytest.mark.skipif(cpu_kernels.mkl() is None, reason="PACKED GEMM NOT CHECKED: this torch has no MKL packed sgemm")
+@pytest.mark.skipif(cpu_kernels.mkl() is None, reason=NO_MKL)
 def test_packing_respects_its_memory_budget_and_runs_once():
     model = _linear_stack(1)
     assert cpu_kernels.pack_linears(model, budget_bytes=1000) == 0  # too big for the budget: untouched
