@@ -206,6 +206,10 @@ class Engine(EngineFacts):
             return results + self.output_stage.process(ctx, new) + self.output_stage.finish_scored(ctx, done)
         except Exception as exc:
             raise self._fail_step(ctx, batch, exc) from exc
+        finally:
+            # `_last` is the step's record (its number and clock): its forward batch and tensors are
+            # done with, and kept they would stay in memory as long as the engine sat idle
+            ctx.fb = None
 
     def _schedule(self, ctx: StepContext) -> ScheduleBatch:
         batch = self.scheduler.schedule()

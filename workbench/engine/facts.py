@@ -1,7 +1,8 @@
 """The facts about a running engine that a server, a metrics exporter or a TUI reads.
 
 Owns: the read-only view (`step_no`, `clock`, `max_context_len`, `kv_total`, `kv_used`,
-`running_ids`, `waiting_ids`, `token_text`) the Engine exposes without handing out its parts.
+`running_ids`, `waiting_ids`, `token_text`) the Engine exposes without handing out its parts,
+and `fill_token_text`, which fills the token-text table at once.
 A mixin: the Engine supplies `_last`, `runner`, `memory`, `scheduler` and `outputs`.
 """
 
@@ -54,3 +55,8 @@ class EngineFacts:
 
     def token_text(self, token_id: int) -> str:
         return self.outputs.token_text(token_id)
+
+    def fill_token_text(self) -> int:
+        """Decode the whole vocabulary into the token-text table now (a long-running server does
+        this at start: OutputProcessor.fill_token_text says why); returns the number of tokens."""
+        return self.outputs.fill_token_text()

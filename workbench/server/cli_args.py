@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -275,6 +276,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"workbench serve: error: {exc}", file=sys.stderr)
         return 2
     state = app.state.workbench
+    started = time.perf_counter()
+    n = engine.fill_token_text()  # before the freeze: the table lives as long as the process
+    log.info("decoded the vocabulary's %d tokens for traces and logprobs in %.1f s", n, time.perf_counter() - started)
     # Everything loaded so far (model, tokenizer, app) lives as long as the process: freeze it so that
     # the collector never rescans it, and a full collection cannot pause a stream (as vLLM does)
     gc.collect()

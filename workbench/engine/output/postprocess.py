@@ -35,6 +35,19 @@ class OutputProcessor:
             self._token_text[token_id] = text
         return text
 
+    def fill_token_text(self) -> int:
+        """Decode every token of the vocabulary into the token-text table now; returns how many.
+
+        Filled lazily, the table grows during each burst of traffic by the tokens that burst saw
+        first, and each of those small strings is allocated among the burst's short-lived objects:
+        it keeps their memory pages from going back once they are freed (a server's idle memory crept
+        up round after round, issue 19). Filled at once at start, it is one block that stays.
+        About 0.3 s for SmolLM2's 49,152 tokens."""
+        n = len(self.tokenizer)
+        for token_id in range(n):
+            self.token_text(token_id)
+        return n
+
     def init_request(self, req: Req) -> None:
         p = req.params
         req.detok = IncrementalDetokenizer(
