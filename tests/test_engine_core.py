@@ -30,6 +30,26 @@ def test_allocator_pairs_and_reserved_slot():
     assert alloc.available_size() == 8
 
 
+@pytest.mark.parametrize("order", ["restart", "fifo"])
+def test_freed_slots_go_to_the_back_and_restart_from_slot_1_once_all_are_free(order):
+    alloc = TokenToKVPoolAllocator(8, "cpu", order)
+    a, b = alloc.allocate(3), alloc.allocate(2)
+    alloc.free(b)  # a still holds slots: in both orders the freed ones queue at the back
+    c = alloc.allocate(4)
+    assert c.tolist() == [6, 7, 8, 4]
+    alloc.free(a)
+    alloc.free(c)
+    # everything is free: "restart" hands out the pages an idle server has touched, from slot 1
+    # again; "fifo" goes on through the queue (the order of traces from before "restart")
+    assert alloc.available_size() == 8
+    assert alloc.allocate(4).tolist() == ([1, 2, 3, 4] if order == "restart" else [5, 1, 2, 3])
+
+
+def test_a_bad_kv_slot_order_names_the_parameter_and_the_choices(tiny):
+    with pytest.raises(ValueError, match="kv_slot_order must be one of restart, fifo, got 'lifo'"):
+        Engine(tiny, trace_level="off", kv_slot_order="lifo")
+
+
 def test_abort_mid_run_leaves_others_unchanged(tiny):
     baseline = Engine(tiny, trace_level="off").generate(PROMPTS, GREEDY)
     engine = Engine(tiny, trace_level="off")

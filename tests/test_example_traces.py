@@ -36,6 +36,19 @@ def test_examples_hold_what_they_promise():
         assert set(obj) == {"name", "age"} and isinstance(obj["age"], int)
 
 
+def test_a_trace_from_before_the_slot_order_replays_with_the_order_it_was_recorded_in():
+    from workbench.rerun import build_engine
+
+    with open_trace(TRACES / "stop_string.wbtrace") as t:
+        recorded = dict(t.meta["engine"])
+        assert "kv_slot_order" not in recorded  # recorded before session 13
+        engine, _ = build_engine(t, recorded, None)
+    try:
+        assert engine.config.kv_slot_order == "fifo" and engine.memory.allocator.order == "fifo"
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_example_replays_identically(name):
     report = replay(str(TRACES / f"{name}.wbtrace"), progress=False)

@@ -87,3 +87,18 @@ def test_diff_says_where_kl_is_not_defined(recorded, tiny, tmp_path, capsys):
     assert cli_main(["diff", str(recorded), str(bare)]) == 0
     text = capsys.readouterr().out
     assert "KL not defined where B has no top-k distribution" in text and " n/a " in text
+
+
+@pytest.mark.parametrize("order", ["restart", "fifo"])
+def test_an_engine_gone_idle_starts_again_from_slot_1_and_replays_identically(tiny, tmp_path, order):
+    path = tmp_path / f"{order}.wbtrace"
+    with Engine(tiny, trace=str(path), kv_slot_order=order) as engine:
+        for prompt in PROMPTS[:2]:  # one after the other: every slot is free between them
+            engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=N))
+    with open_trace(path) as t:
+        assert t.meta["engine"]["kv_slot_order"] == order
+        starts = [e.out_cache_loc[0] for e in t.events(kind="forward_batch") if e.forward_mode == "EXTEND"]
+    assert len(starts) == 2 and starts[0] == 1
+    assert (starts[1] == 1) == (order == "restart"), starts
+    report = replay(str(path), progress=False)
+    assert report.identical, report.divergence.describe()

@@ -57,9 +57,10 @@ def build_engine(trace: Trace, engine_cfg: dict, device: str | None, out: str | 
                          f"{meta['hash']}: refusing to replay against a different model")
     sink = MemorySink()
     keys = ("max_batch_tokens", "chunk_size", "kv_tokens", "max_running", "enable_mixed", "trace_topk", "seed", "spec",
-            "prefix_sharing", "prefix_cache", "kernels")  # kernels: a fast trace re-runs fast
+            "prefix_sharing", "prefix_cache", "kernels", "kv_slot_order")  # kernels: a fast trace re-runs fast
     kwargs = {k: engine_cfg[k] for k in keys if k in engine_cfg}
     kwargs.setdefault("prefix_sharing", False)  # traces from before it existed ran without it
+    kwargs.setdefault("kv_slot_order", "fifo")  # and those from before this one handed out slots FIFO
     kwargs.update(overrides or {})
     level = trace.meta.get("trace_level", "summary")
     if out is not None:

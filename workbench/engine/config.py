@@ -44,6 +44,9 @@ class EngineConfig:
     # ops, output may differ; cpu_kernels.checks["fast"] says what ran). Traces before it: "exact".
     kernels: str
     cpu_kernels: CpuKernels
+    # the order free KV slots are handed out in (sched/memory.py, KV_SLOT_ORDERS): "restart" (from
+    # slot 1 again whenever all are free) or "fifo". Traces before it: "fifo"
+    kv_slot_order: str = "restart"
 
     def to_dict(self) -> dict[str, Any]:
         """The trace meta's `engine` entry (keys in field order)."""

@@ -66,7 +66,8 @@ class Engine(EngineFacts):
                  max_running: int = 64, enable_mixed: bool = True, trace: str | None = None,
                  trace_level: str = "summary", trace_topk: int = 10, trace_sinks: list[Sink] | None = None,
                  spec: Any = None, seed: int = 0, prefix_sharing: bool = True, prefix_cache: bool = False,
-                 max_model_len: int | None = None, capture: Any = None, kernels: str = "exact") -> None:
+                 max_model_len: int | None = None, capture: Any = None, kernels: str = "exact",
+                 kv_slot_order: str = "restart") -> None:
         fastmode.check(kernels)  # a bad value fails before the model loads
         with gc_paused():  # the load allocates much and frees little (loader.gc_paused)
             self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
@@ -89,7 +90,8 @@ class Engine(EngineFacts):
             raise ValueError(f"kv_tokens must be >= 2, got {kv_tokens}")
         self.memory = Memory(num_layers=self.runner.num_layers, kv_heads=self.runner.kv_heads,
                              head_dim=self.runner.head_dim, kv_tokens=kv_tokens, max_running=max_running,
-                             max_context_len=max_ctx, dtype=self.runner.dtype, device=self.device)
+                             max_context_len=max_ctx, dtype=self.runner.dtype, device=self.device,
+                             slot_order=kv_slot_order)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer, max_ctx)
         self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.outputs.eos_token_ids)
@@ -98,7 +100,8 @@ class Engine(EngineFacts):
             chunk_size=chunk_size, kv_tokens=kv_tokens, max_running=max_running, enable_mixed=enable_mixed,
             trace_topk=trace_topk, seed=seed, prefix_sharing=prefix_sharing, prefix_cache=prefix_cache,
             spec=spec if isinstance(spec, (str, dict, type(None))) else getattr(spec, "to_dict", spec.__str__)(),
-            kernels=kernels, cpu_kernels=CpuKernels(**self.runner.kernel_report()))  # what the runner chose at load
+            kernels=kernels, cpu_kernels=CpuKernels(**self.runner.kernel_report()),  # what the runner chose at load
+            kv_slot_order=kv_slot_order)
         self.trace_topk = trace_topk
         self.prefix_sharing = prefix_sharing
         self.tracer = self._make_tracer(trace, trace_level, trace_sinks)

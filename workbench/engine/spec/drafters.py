@@ -267,7 +267,8 @@ class DraftModelDrafter(_ModelDrafter):
         self.max_context_len = min(runner.max_context_len, target.runner.max_context_len)
         memory = Memory(num_layers=runner.num_layers, kv_heads=runner.kv_heads, head_dim=runner.head_dim,
                         kv_tokens=pools.allocator.size, max_running=pools.req_to_token_pool.size,
-                        max_context_len=self.max_context_len, dtype=runner.dtype, device=target.device)
+                        max_context_len=self.max_context_len, dtype=runner.dtype, device=target.device,
+                        slot_order=pools.allocator.order)  # the target's order: a replay hands out the same slots
         super().__init__(cfg.describe(), target, runner, memory)
         self.loaded = loaded
         self.seqs: dict[str, list[int]] = {}  # req_id -> [draft pool slot, draft kv_len]
