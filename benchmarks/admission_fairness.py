@@ -8,13 +8,14 @@ Two `workbench serve` processes (tiny-random by default, as the issue's sweep us
    the small request's TTFT on the idle server, then while the big request streams (the client
    reads it as fast as it can), then the big client disconnects and we check the engine goes idle
    and the RSS comes back to its baseline (the idle RSS after one batched warm-up request, which
-   packs the weights; twice, with RSS by mapping kind from /proc/PID/smaps).
+   packs the weights; `--rounds` times, default 2, with RSS by mapping kind from /proc/PID/smaps).
 
 The small request is a streaming completion (max_tokens 2); TTFT is send -> first chunk with text.
 The criterion (issue 19): loaded TTFT median within 2x the idle median.
 
     python benchmarks/admission_fairness.py [--model tiny-random] [--prompts 5000] [--n 16]
-        [--max-tokens 16] [--samples 15] [--serve-arg=--max-running-per-request --serve-arg=8] [--json out.json]
+        [--max-tokens 16] [--samples 15] [--rounds 2] [--serve-arg=--max-running-per-request --serve-arg=8]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def admitted_phase(args: argparse.Namespace) -> dict:
         kinds = [resident_by_kind(srv.proc.pid)]
         body = big_body(args.model, args.prompts, args.n, args.max_tokens)
         loaded, peaks, afters, idle_after = [], [], [], []
-        for _ in range(2):  # twice: the second time shows whether anything stays behind
+        for _ in range(args.rounds):  # more than once: later rounds show whether anything stays behind
             received = multiprocessing.Value("q", 0)
             # the big client runs in its own process, so its reading does not slow this one's clock
             client = multiprocessing.Process(target=big_client, args=(srv.url, body, received), daemon=True)
@@ -155,6 +156,8 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=15)
     parser.add_argument("--serve-arg", action="append", default=[],
                         help="extra `workbench serve` argument for both servers (repeat; --serve-arg=--flag)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="times the big client comes and leaves (RSS settles by round 6 or so; 12 shows it)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     refused = refused_phase(args)
@@ -172,6 +175,10 @@ def main() -> int:
           + ", ".join(f"{p:.1f} / {a:.1f} MB" for p, a in zip(admitted["rss_peak_mb"], admitted["rss_after_mb"]))
           + " (" + ", ".join(f"{a - base:+.1f}" for a in admitted["rss_after_mb"]) + " MB from idle); engine idle "
           + ", ".join(f"{s:.1f}" for s in admitted["engine_idle_after_disconnect_s"]) + " s after it left")
+    afters = admitted["rss_after_mb"]
+    if len(afters) >= 4:
+        print(f"RSS growth over the last 3 rounds: {afters[-1] - afters[-4]:+.1f} MB "
+              f"(rounds {len(afters) - 2}-{len(afters)}; round 1 left {afters[0] - base:+.1f} MB)")
     print("RSS by mapping kind, idle then after each round: " + "; ".join(
         ", ".join(f"{k} {v:.1f}" for k, v in kind.items() if v >= 0.05) for kind in admitted["rss_by_kind_mb"]))
     if args.json:
