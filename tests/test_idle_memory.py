@@ -18,7 +18,8 @@ from workbench.engine.output.output import StepOutput
 from workbench.engine.run.forward_batch import ForwardBatch
 from workbench.engine.sample.sampling_params import SamplingParams
 from workbench.engine.sched.request import Req
-from workbench.server.engine_loop import IDLE_RELEASE_AFTER, EngineLoop
+from workbench.server.engine_loop import EngineLoop
+from workbench.server.heap import IDLE_RELEASE_AFTER
 
 PROMPTS, N = 300, 2
 

@@ -210,9 +210,7 @@ class Engine(EngineFacts):
         except Exception as exc:
             raise self._fail_step(ctx, batch, exc) from exc
         finally:
-            # `_last` is the step's record (its number and clock): its forward batch and tensors are
-            # done with, and kept they would stay in memory as long as the engine sat idle
-            ctx.fb = None
+            ctx.fb = None  # `_last` keeps the step's number and clock, not its batch's tensors while idle
 
     def _schedule(self, ctx: StepContext) -> ScheduleBatch:
         batch = self.scheduler.schedule()

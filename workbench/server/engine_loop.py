@@ -26,17 +26,12 @@ from workbench.engine.output.output import RequestOutput, StepOutput, TokenLogpr
 from workbench.engine.sample.sampling_params import SamplingParams
 from workbench.engine.sched.request import Req
 from workbench.server.admission import AdmissionLimits, Admitter, Job
-from workbench.server.heap import release_idle_memory
+from workbench.server.heap import IdleSchedule, release_idle_memory
 from workbench.server.output_buffer import OutputBuffer, StreamLimits
 from workbench.trace.events import Stamp
 from workbench.trace.latency import Handoff
 
 log = logging.getLogger("workbench.server")
-# seconds idle after which the engine thread hands memory back (EngineLoop._run): once soon, and
-# once more when the event loop has surely finished with the requests too (their handlers, the
-# client's connection); what the event-loop thread frees after the first trim stayed in glibc's
-# main heap (2 MB after a 5,000-prompt request, measured)
-IDLE_RELEASE_AFTER = (0.25, 1.0)
 
 
 class EngineUnavailable(RuntimeError):
@@ -280,9 +275,8 @@ class EngineLoop:
         self._handles = {}
 
     def _forget(self, rid: str, handle: RequestHandle) -> None:
-        """Unregister `rid` if `handle` holds it. A dict never shrinks as keys leave: after a
-        5,000-prompt x n=16 request its table (80,000 slots, 1.9 MB) would stay for good, so an empty
-        one is replaced by a fresh dict."""
+        """Unregister `rid` if `handle` holds it; an emptied table is replaced, since a dict never
+        shrinks (after a 5,000-prompt x n=16 request its 80,000 slots, 1.9 MB, would stay)."""
         if self._handles.get(rid) is handle:
             del self._handles[rid]
             if not self._handles:
@@ -302,26 +296,22 @@ class EngineLoop:
     # --- engine thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        engine = self.engine
-        busy, idle_since, released = False, 0.0, len(IDLE_RELEASE_AFTER)  # released: hand-backs since the last step
+        engine, schedule, busy = self.engine, IdleSchedule(), False
         while not self._stop.is_set():
             if not engine.has_work():
                 now = time.perf_counter()
                 if busy:
-                    busy, idle_since, released = False, now, 0
-                if released < len(IDLE_RELEASE_AFTER) and now - idle_since >= IDLE_RELEASE_AFTER[released]:
+                    busy = False
+                    schedule.went_idle(now)
+                if schedule.due(now):
                     # idle a while: what the finished requests left goes back to the OS. Not at every
                     # idle moment: a bulk request whose window all finished together leaves the engine
                     # idle for a step, and a collection, a heap trim (whose pages fault back in) and
                     # fresh sampler buffers there cost every request a step's worth (py-spy: 3% of the
                     # engine thread under a 5,000-prompt request)
-                    released += 1
                     engine.sampler.release_buffers()  # up to [max running, vocab] x 2 floats
                     release_idle_memory()
-                wait = self.idle_wait
-                if released < len(IDLE_RELEASE_AFTER):
-                    wait = min(wait, max(0.0, idle_since + IDLE_RELEASE_AFTER[released] - now))
-                self._wake.wait(wait)
+                self._wake.wait(schedule.wait(now, self.idle_wait))
                 self._wake.clear()
                 continue
             busy = True
@@ -329,10 +319,8 @@ class EngineLoop:
         self._drain_aborts()
 
     def _step(self) -> None:
-        """One engine step and its outputs posted to the event loop. A method of its own so that
-        nothing of the step (its outputs, requests, detokenizers) stays referenced from the loop's
-        frame while the engine sits idle: what a burst's last step left would pin the memory it was
-        allocated in until the next request came (issue 19)."""
+        """One engine step, its outputs posted to the event loop. A method of its own so that nothing
+        of the step stays referenced from `_run`'s frame while the engine sits idle (issue 19)."""
         t0 = time.perf_counter()
         try:
             outs = self.engine.step()

@@ -1,8 +1,10 @@
 """Giving a server's memory back when it goes idle, and reading where its resident memory lies.
 
 Owns: `release_idle_memory` (the engine thread calls it when the engine goes idle: a full garbage
-collection, then glibc's `malloc_trim`), `pin_mmap_threshold` (glibc's `mallopt` at serve start) and `resident_by_kind` (a process's RSS
-split by mapping kind from /proc/PID/smaps, for the admission benchmark and its test). Does not own: when the engine is idle (engine_loop.py).
+collection, then glibc's `malloc_trim`), `IdleSchedule` (how long into an idle spell it does so),
+`pin_mmap_threshold` (glibc's `mallopt` at serve start) and `resident_by_kind` (a process's RSS
+split by mapping kind from /proc/PID/smaps, for the admission benchmark and its test). Does not
+own: when the engine is idle (engine_loop.py).
 
 Why a collection: a request that ends by its client leaving leaves garbage in reference cycles
 (the exception and traceback of the cancelled handler, its frames, and whatever they hold: for a
@@ -24,6 +26,37 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 # page faults every step (7% of batch-32 throughput, measured); at 1 MiB the residual is the same
 # and the throughput unchanged (BENCHMARKS.md, issue 19)
 MMAP_THRESHOLD = 1 << 20
+# seconds into an idle spell at which the engine thread hands memory back: once soon, and once
+# more when the event loop has surely finished with the requests too (their handlers, the client's
+# connection); what the event-loop thread frees after the first trim stayed in glibc's main heap
+# (2 MB after a 5,000-prompt request, measured)
+IDLE_RELEASE_AFTER = (0.25, 1.0)
+
+
+class IdleSchedule:
+    """When an idle engine hands memory back: at each of `after` seconds into an idle spell, and
+    not again until the next spell."""
+
+    def __init__(self, after: tuple[float, ...] = IDLE_RELEASE_AFTER) -> None:
+        self.after = after
+        self.since = 0.0
+        self.done = len(after)  # hand-backs made in this spell (none due before the first step)
+
+    def went_idle(self, now: float) -> None:
+        self.since, self.done = now, 0
+
+    def due(self, now: float) -> bool:
+        """True (once per entry of `after`) when the next hand-back is due at `now`."""
+        if self.done < len(self.after) and now - self.since >= self.after[self.done]:
+            self.done += 1
+            return True
+        return False
+
+    def wait(self, now: float, longest: float) -> float:
+        """How long to sleep at `now`: `longest`, or less to wake for the next hand-back."""
+        if self.done == len(self.after):
+            return longest
+        return min(longest, max(0.0, self.since + self.after[self.done] - now))
 
 
 def _libc() -> ctypes.CDLL | None:
