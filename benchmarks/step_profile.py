@@ -2,10 +2,11 @@
 of the model's ops, the sampler, batch building, output processing (detokenizer, finish checks),
 tracing, and the Python around them. `--kernels exact fast` profiles both numerics modes, alternating
 per batch size in one process (same model, same moment: a same-round comparison); in fast mode the
-fused MLP (its SiLU*up included) counts as "gemm".
+fused MLP (its SiLU*up included) counts as "gemm". `--forward direct model` does the same for exact
+mode's direct forward (run/exact_forward.py) against the model's own forward.
 
     python benchmarks/step_profile.py [--model smollm2] [--batches 1 8 32] [--steps 24] [--trace off]
-        [--threads N] [--clock wall|cpu] [--kernels exact [fast]]
+        [--threads N] [--clock wall|cpu] [--kernels exact [fast]] [--forward direct model]
 
 Each batch size starts that many chat requests (greedy, ignore_eos), runs until every request is
 decoding, then times `--steps` decode steps with timers wrapped around the pipeline's functions.
@@ -104,7 +105,8 @@ def instrument(engine, timers: Timers) -> contextlib.ExitStack:
 
 
 def profile_batch(loaded, batch: int, steps: int, trace_level: str, new: int = 100,
-                  clock: Callable[[], float] = time.perf_counter, kernels: str = "exact") -> dict[str, float]:
+                  clock: Callable[[], float] = time.perf_counter, kernels: str = "exact",
+                  direct: bool = True) -> dict[str, float]:
     from benchmarks.throughput import chat_prompts
     from workbench.engine.engine import Engine
     from workbench.engine.sample.sampling_params import SamplingParams
@@ -112,6 +114,7 @@ def profile_batch(loaded, batch: int, steps: int, trace_level: str, new: int = 1
     # a KV pool sized for the run, not the default 1 GiB: the machine is shared
     engine = Engine(loaded, trace_level=trace_level, trace=None, max_running=max(batch, 1), kv_tokens=batch * 600,
                     kernels=kernels)
+    engine.runner.use_direct = direct and engine.runner.use_direct
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
     for p in chat_prompts(batch):
         engine.add_request(p, params)
@@ -152,6 +155,9 @@ def main() -> None:
                     "shared machine does not inflate; only meaningful with --threads 1")
     ap.add_argument("--kernels", nargs="+", default=["exact"], choices=["exact", "fast", "fast-int8"],
                     help="numerics modes to profile, alternated per batch size (default: exact)")
+    ap.add_argument("--forward", nargs="+", default=["direct"], choices=["direct", "model"],
+                    help="exact mode's forward: the direct one where its check passed, or the model's own; "
+                    "both: alternated per batch size")
     args = ap.parse_args()
     import torch
 
@@ -165,11 +171,12 @@ def main() -> None:
     rows = {}
     for b in args.batches:
         for mode in args.kernels:
-            print(f"batch {b}: profiling {args.steps} decode steps (trace {args.trace}, kernels {mode})...",
-                  file=sys.stderr, flush=True)
-            name = b if len(args.kernels) == 1 else f"{b} {mode}"
-            rows[name] = profile_batch(loaded, b, args.steps, args.trace, kernels=mode,
-                                       clock=time.thread_time if args.clock == "cpu" else time.perf_counter)
+            for fwd in args.forward if mode == "exact" else ["direct"]:
+                print(f"batch {b}: profiling {args.steps} decode steps (trace {args.trace}, kernels {mode}, "
+                      f"{fwd} forward)...", file=sys.stderr, flush=True)
+                name = " ".join([str(b)] + [mode] * (len(args.kernels) > 1) + [fwd] * (len(args.forward) > 1))
+                rows[name] = profile_batch(loaded, b, args.steps, args.trace, kernels=mode, direct=fwd == "direct",
+                                           clock=time.thread_time if args.clock == "cpu" else time.perf_counter)
     load = os.getloadavg()
     print(f"\nms per decode step ({args.clock} clock), {args.model}, trace {args.trace}, {torch.get_num_threads()} "
           f"threads, {platform.processor() or platform.machine()}, load average {load[0]:.2f} at the end\n")

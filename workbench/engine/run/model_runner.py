@@ -5,7 +5,9 @@ Owns: switching the HF model to the "workbench" attention function, the packed f
 early-exit forwards for self-drafting, and on CPU float32 routing the model's `nn.Linear` layers
 through MKL-packed weights (`cpu_kernels.pack_linears`; the modules and weights are unchanged),
 with the load-time checks that decide where those kernels may run (fastpath.py, `kernel_report`),
-and asking each layer's attention variant (variants.py, cached by variants_store.py).
+and asking each layer's attention variant (variants.py, cached by variants_store.py). In exact
+mode a transformers Llama runs through exact_forward.py's direct forward (the same ops without the
+module dispatch) once its load-time check found it bit-identical to the model's own forward.
 With `kernels="fast"` (opt-in, not transformers' numbers) it also wraps the linears, MLPs and norms
 with fastmode.py's bf16 / fused forwards and switches them on around each of its forwards.
 Does not own: KV allocation (forward_batch.py) or sampling.
@@ -13,12 +15,11 @@ Does not own: KV allocation (forward_batch.py) or sampling.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 
-from workbench.engine.run import attention, cpu_kernels, fastmode, fastpath, variants_store
+from workbench.engine.run import attention, cpu_kernels, exact_forward, fastmode, fastpath, variants_store
 from workbench.engine.run.forward_batch import ForwardBatch
 from workbench.models.loader import LoadedModel
 
@@ -53,11 +54,34 @@ class ModelRunner:
             cpu_kernels.check_attention(heads, self.kv_heads, self.head_dim)
         # fast mode's wrappers go on after the packed linears (they call those when the mode is off)
         self.fast = fastmode.install(self.model, self.kernels) if self.kernels != "exact" else None
+        # exact mode: the direct forward where the model's family is one it inlines and the check passed
+        self.direct = self._check_direct() if self.fast is None else {
+            "used": False, "why": f"kernels={self.kernels!r} runs fast mode's wrappers"}
+        self.use_direct = self.direct["used"]  # benchmarks switch it off to compare
+        self._modules = list(self.model.modules())
+        self._inlined = exact_forward.containers(self.model) if self.use_direct else []
+        self.forwards = {"direct": 0, "model": 0}  # which forward ran, counted (kernel_report)
+
+    def _check_direct(self) -> dict[str, Any]:
+        """exact_forward.py's verdict for this model, once per model object (engines share models)."""
+        cached = self.model.__dict__.get("_workbench_direct")
+        if cached is not None:
+            return cached
+        why = exact_forward.refusal(self.model)
+        if why is not None:
+            verdict = {"used": False, "why": why}
+        else:
+            check = exact_forward.verify(self.model, self._model_forward, self.num_layers, self.kv_heads,
+                                         self.head_dim, self.dtype, self.device)
+            verdict = {"used": check["identical"], "why": check["detail"], "check_seconds": check["seconds"]}
+        self.model.__dict__["_workbench_direct"] = verdict
+        return verdict
 
     def kernel_report(self) -> dict[str, Any]:
         """Which native paths may run and why, for the engine config / trace meta. The first two keys
         are the ones older readers know; "checks" is fastpath.py's verdicts on this CPU so far."""
         checks = fastpath.CHECKS.report()
+        checks["direct_forward"] = {**self.direct, "what": exact_forward.DIRECT, "forwards": dict(self.forwards)}
         if self.fast is not None:
             checks["fast"] = fastmode.report(self.kernels, self.fast)
         return {"decode_attention": self.cpu_fp32 and cpu_kernels.available(),
@@ -79,11 +103,22 @@ class ModelRunner:
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         if fb.layer_limit is not None:
             return self._forward_early_exit(fb)
-        with fb.capture.hooks() if fb.capture is not None else contextlib.nullcontext():
-            out = self.model(
-                input_ids=fb.input_ids.unsqueeze(0), position_ids=fb.positions.unsqueeze(0), use_cache=False,
-                logits_to_keep=fb.logits_rows, forward_batch=fb,
-            )
+        if fb.capture is None and self.use_direct and exact_forward.blocked(self.model, self._modules,
+                                                                           self._inlined) is None:
+            self.forwards["direct"] += 1
+            return exact_forward.forward(self.model, fb)
+        self.forwards["model"] += 1
+        if fb.capture is not None:
+            with fb.capture.hooks():
+                return self._model_forward(fb)
+        return self._model_forward(fb)
+
+    def _model_forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """The unmodified HF model's own forward on the packed batch."""
+        out = self.model(
+            input_ids=fb.input_ids.unsqueeze(0), position_ids=fb.positions.unsqueeze(0), use_cache=False,
+            logits_to_keep=fb.logits_rows, forward_batch=fb,
+        )
         return out.logits[0].float()
 
     def _forward_early_exit(self, fb: ForwardBatch) -> torch.Tensor:

@@ -1,0 +1,248 @@
+"""The direct forward: transformers' own decoder forward, op for op, without the module dispatch.
+
+In exact mode a decode step's Python is mostly not the engine's: `nn.Module.__call__` (hook
+dispatch, ~400 calls a step for a 30-layer model) and transformers' decorators (`deprecate_kwarg`,
+`capture_outputs`, `merge_with_config_defaults`, the causal-mask builder) cost 5-6 ms a step on
+these CPUs whatever the batch size: 9-11% of a batch-1 step. `forward` here calls the same torch
+ops, on the same tensors, in the same order as `LlamaForCausalLM.forward` does (or Mistral's,
+Qwen2's, Qwen3's: the same layer code plus a `sliding_window` keyword and Qwen3's q/k norms;
+the container modules' bodies inlined; every leaf module, the packed linears included, through its own
+`forward`; the attention function looked up by name as transformers does), so it computes the same
+bits by construction, and the runner checks that before using it:
+
+- `refusal(model)` at load: only transformers' own classes of those four families (the
+  containers' code is what is inlined here); anything else keeps the model's forward.
+- `verify(...)` at load: three forwards (extend, mixed extend+decode, decode) on scratch KV through
+  both paths; the logits, every layer's K/V and the keywords each layer passes to attention must
+  be identical, else it is not used.
+- `blocked(...)` per forward: a hook on any module (capture, a notebook's own hooks), training
+  mode, or a container whose forward was replaced (fast mode's wrappers) means the model's own
+  forward runs that step.
+
+The verdict is in `ModelRunner.kernel_report()["checks"]["direct_forward"]`, so the trace's engine
+config says which forward ran and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DIRECT = "direct forward (transformers' decoder ops without module dispatch)"
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """What a family's layer code adds to Llama's (read from its modeling file, transformers 5.x)."""
+
+    prefix: str  # class-name prefix: "Llama" -> LlamaForCausalLM, LlamaModel, ...
+    window: str | None  # the attention's sliding_window keyword: None (not passed), "layer" or "config"
+    qk_norm: bool  # q_norm / k_norm on each head before RoPE (Qwen3)
+
+
+FAMILIES = {"llama": Family("Llama", None, False), "mistral": Family("Mistral", "config", False),
+            "qwen2": Family("Qwen2", "layer", False), "qwen3": Family("Qwen3", "layer", True)}
+
+
+def _modeling(model_type: str):
+    return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+
+
+def refusal(model: torch.nn.Module) -> str | None:
+    """Why the direct forward cannot stand in for `model`'s own (None: it can, pending `verify`)."""
+    model_type = getattr(model.config, "model_type", None)
+    fam = FAMILIES.get(model_type)
+    if fam is None:
+        return f"model_type {model_type!r} is not one of {', '.join(FAMILIES)}, whose layer code it inlines"
+    ml = _modeling(model_type)
+    cls = lambda name: getattr(ml, fam.prefix + name)  # noqa: E731
+    if type(model) is not cls("ForCausalLM"):
+        return f"{type(model).__name__} is not transformers' {fam.prefix}ForCausalLM"
+    inner = model.model
+    if type(inner) is not cls("Model") or type(inner.norm) is not cls("RMSNorm"):
+        return f"{type(inner).__name__} is not transformers' {fam.prefix}Model"
+    if len(inner.layers) != int(model.config.num_hidden_layers):
+        return "the model has a different number of layers than its config"
+    want = (cls("DecoderLayer"), cls("Attention"), cls("MLP"))
+    for layer in inner.layers:
+        kinds = (type(layer), type(layer.self_attn), type(layer.mlp))
+        if kinds != want:
+            return f"layer {layer.self_attn.layer_idx} has {', '.join(k.__name__ for k in kinds)}"
+    return None
+
+
+def containers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose forward bodies `forward` inlines."""
+    inner = model.model
+    out = [model, inner]
+    for layer in inner.layers:
+        out += [layer, layer.self_attn, layer.mlp]
+    return out
+
+
+def blocked(model: torch.nn.Module, modules: list[torch.nn.Module], inlined: list[torch.nn.Module]) -> str | None:
+    """Why this forward must go through the model's own forward (None: the direct one may run)."""
+    if model.training:
+        return "the model is in training mode"
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return "a global forward hook is registered"
+    for m in modules:
+        if m._forward_hooks or m._forward_pre_hooks:
+            return "a forward hook is registered"
+    for m in inlined:
+        if "forward" in m.__dict__:
+            return f"{type(m).__name__}.forward was replaced"
+    return None
+
+
+def forward(model: torch.nn.Module, fb: Any) -> torch.Tensor:
+    """`model(input_ids=..., position_ids=..., use_cache=False, logits_to_keep=fb.logits_rows,
+    forward_batch=fb).logits[0]` (the call ModelRunner makes) as float32, for a model `refusal`
+    accepts."""
+    config = model.config
+    fam = FAMILIES[config.model_type]
+    ml = _modeling(config.model_type)
+    inner = model.model
+    attend = ml.ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ml.eager_attention_forward)
+    rotate = ml.apply_rotary_pos_emb
+    window = {} if fam.window is None else {"sliding_window": getattr(config, "sliding_window", None)}
+    pos = fb.positions.unsqueeze(0)
+    hidden = inner.embed_tokens.forward(fb.input_ids.unsqueeze(0))
+    cos, sin = inner.rotary_emb(hidden, position_ids=pos)
+    for layer in inner.layers[: config.num_hidden_layers]:
+        # LlamaDecoderLayer.forward
+        residual = hidden
+        hidden = layer.input_layernorm.forward(hidden)
+        # LlamaAttention.forward (Qwen3: q/k normed per head; Mistral, Qwen2, Qwen3: sliding_window=)
+        attn = layer.self_attn
+        input_shape = hidden.shape[:-1]
+        hidden_shape = (*input_shape, -1, attn.head_dim)
+        if fam.qk_norm:
+            q = attn.q_norm.forward(attn.q_proj.forward(hidden).view(hidden_shape)).transpose(1, 2)
+            k = attn.k_norm.forward(attn.k_proj.forward(hidden).view(hidden_shape)).transpose(1, 2)
+        else:
+            q = attn.q_proj.forward(hidden).view(hidden_shape).transpose(1, 2)
+            k = attn.k_proj.forward(hidden).view(hidden_shape).transpose(1, 2)
+        v = attn.v_proj.forward(hidden).view(hidden_shape).transpose(1, 2)
+        q, k = rotate(q, k, cos, sin)
+        if fam.window == "layer":
+            window = {"sliding_window": attn.sliding_window}
+        out, _ = attend(attn, q, k, v, None, dropout=0.0, scaling=attn.scaling, **window, position_ids=pos,
+                        use_cache=False, forward_batch=fb)
+        out = out.reshape(*input_shape, -1).contiguous()
+        hidden = residual + attn.o_proj.forward(out)
+        residual = hidden
+        hidden = layer.post_attention_layernorm.forward(hidden)
+        # LlamaMLP.forward
+        mlp = layer.mlp
+        hidden = mlp.down_proj.forward(mlp.act_fn.forward(mlp.gate_proj.forward(hidden)) * mlp.up_proj.forward(hidden))
+        hidden = residual + hidden
+    hidden = inner.norm.forward(hidden)
+    # LlamaForCausalLM.forward: slice_logits_to_keep with a 1-D index tensor, then the head
+    return model.lm_head.forward(hidden[:, fb.logits_rows, :])[0].float()
+
+
+_verify_lock = threading.Lock()
+
+
+def _same_call(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for name, x in a.items():
+        y = b[name]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def _recorded_attention(name: str, fbs: set[int], calls: list) -> Iterator[None]:
+    """While the block runs, the attention function registered as `name` also appends
+    `(layer, keywords)` of every call made for a ForwardBatch whose id is in `fbs` (other engines'
+    calls pass through unrecorded). The mask is not recorded: the engine's attention builds its own
+    (variants.py refuses a model whose attention needs the model's)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    base = ALL_ATTENTION_FUNCTIONS[name]
+
+    def recording(module, query, key, value, attention_mask, **kw):
+        if id(kw.get("forward_batch")) in fbs:
+            calls.append((module.layer_idx, {n: x for n, x in kw.items() if n != "forward_batch"}))
+        return base(module, query, key, value, attention_mask, **kw)
+
+    with _verify_lock:
+        AttentionInterface.register(name, recording)
+        try:
+            yield
+        finally:
+            AttentionInterface.register(name, base)
+
+
+def verify(model: torch.nn.Module, own: Any, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+           device: str) -> dict[str, Any]:
+    """Run an extend, a mixed and a decode forward on scratch KV through `own` (the model's forward,
+    ModelRunner's) and `forward`, and compare bit for bit the logits and the K/V written, and the
+    keywords every layer passed to attention (a sliding window longer than these 16 tokens changes
+    no number here, but it is a keyword). Returns `{"identical": bool, "forwards": n, "detail": str,
+    "seconds": s}`."""
+    from workbench.engine.run.forward_batch import ForwardMode, RowSpec, build_forward_batch
+    from workbench.engine.sched.memory import Memory
+
+    start = time.perf_counter()
+    memory = Memory(num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim, kv_tokens=32, max_running=2,
+                    max_context_len=32, dtype=dtype, device=device)
+    vocab = int(model.config.vocab_size)
+    ids = [(7919 * i + 13) % vocab for i in range(16)]  # spread over the vocabulary, deterministic
+    a, b = memory.req_to_token_pool.allocate(), memory.req_to_token_pool.allocate()
+    plan = [
+        (ForwardMode.EXTEND, [RowSpec("a", a, 0, ids[:6], 1), RowSpec("b", b, 0, ids[6:10], 1, 3)]),
+        (ForwardMode.MIXED, [RowSpec("a", a, 6, ids[10:13], 1), RowSpec("b", b, 4, ids[13:14], 1)]),
+        (ForwardMode.DECODE, [RowSpec("a", a, 9, ids[14:15], 1), RowSpec("b", b, 5, ids[15:16], 1)]),
+    ]
+    kv = memory.kv
+    seconds = lambda: round(time.perf_counter() - start, 3)  # noqa: E731
+    for n, (mode, rows) in enumerate(plan, 1):
+        fb = build_forward_batch(mode, rows, memory, device)
+        mine_calls: list = []
+        their_calls: list = []
+        with torch.inference_mode():
+            with _recorded_attention(model.config._attn_implementation, {id(fb)}, mine_calls):
+                mine = forward(model, fb)
+            written = [(k.index_select(0, fb.out_cache_loc), v.index_select(0, fb.out_cache_loc))
+                       for k, v in zip(kv.k, kv.v)]
+            with _recorded_attention(model.config._attn_implementation, {id(fb)}, their_calls):
+                theirs = own(fb)  # last, so the scratch KV the next forward reads is the model's own
+        if not torch.equal(mine, theirs):
+            diff = (mine - theirs).abs().max().item() if mine.shape == theirs.shape else float("nan")
+            return {"identical": False, "forwards": n, "seconds": seconds(),
+                    "detail": f"{mode.value} forward: logits differ from the model's forward by up to {diff:.3g}"}
+        for layer, (k, v) in enumerate(written):
+            if not (torch.equal(k, kv.k[layer].index_select(0, fb.out_cache_loc))
+                    and torch.equal(v, kv.v[layer].index_select(0, fb.out_cache_loc))):
+                return {"identical": False, "forwards": n, "seconds": seconds(),
+                        "detail": f"{mode.value} forward: layer {layer}'s K/V differ from the model's forward"}
+        if [layer for layer, _ in mine_calls] != [layer for layer, _ in their_calls]:
+            return {"identical": False, "forwards": n, "seconds": seconds(),
+                    "detail": f"{mode.value} forward: attention ran for layers {[c[0] for c in mine_calls]}, "
+                              f"the model's forward for {[c[0] for c in their_calls]}"}
+        for (layer, mine_kw), (_, their_kw) in zip(mine_calls, their_calls):
+            if not _same_call(mine_kw, their_kw):
+                return {"identical": False, "forwards": n, "seconds": seconds(),
+                        "detail": f"{mode.value} forward: layer {layer}'s attention keywords {sorted(mine_kw)} "
+                                  f"differ from the model's forward's {sorted(their_kw)}"}
+    return {"identical": True, "forwards": len(plan), "seconds": seconds(),
+            "detail": "logits, every layer's K/V and attention keywords bit-identical to the model's forward on "
+                      "an extend, a mixed and a decode forward"}
