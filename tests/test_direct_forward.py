@@ -40,6 +40,14 @@ def test_direct_forward_gives_the_model_forwards_tokens_and_logprobs(fresh):
     assert direct == own  # token ids, logprobs and top alternatives, exactly
 
 
+def test_early_exit_drafts_through_the_direct_forward_change_nothing(fresh):
+    """Self-speculation's draft forwards (the first layer, then norm and head) run direct too."""
+    direct, report = _run(fresh, True, spec="early-exit:layers=1:k=3")
+    own, own_report = _run(fresh, False, spec="early-exit:layers=1:k=3")
+    assert report["forwards"]["model"] == 0 and report["forwards"]["direct"] == own_report["forwards"]["model"] > 0
+    assert direct == own
+
+
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
 def test_windowed_and_qk_norm_families_match_their_own_forward(family):
     """Sliding windows of 32 tokens (Mistral; Qwen2's second layer) and Qwen3's q/k norms, on prompts

@@ -104,10 +104,11 @@ def blocked(model: torch.nn.Module, modules: list[torch.nn.Module], inlined: lis
     return None
 
 
-def forward(model: torch.nn.Module, fb: Any) -> torch.Tensor:
+def forward(model: torch.nn.Module, fb: Any, layers: int | None = None) -> torch.Tensor:
     """`model(input_ids=..., position_ids=..., use_cache=False, logits_to_keep=fb.logits_rows,
     forward_batch=fb).logits[0]` (the call ModelRunner makes) as float32, for a model `refusal`
-    accepts."""
+    accepts. `layers`: an early-exit draft's forward instead (ModelRunner._forward_early_exit: the
+    first `layers` layers, then the final norm of the kept rows and the head)."""
     config = model.config
     fam = FAMILIES[config.model_type]
     ml = _modeling(config.model_type)
@@ -118,7 +119,7 @@ def forward(model: torch.nn.Module, fb: Any) -> torch.Tensor:
     pos = fb.positions.unsqueeze(0)
     hidden = inner.embed_tokens.forward(fb.input_ids.unsqueeze(0))
     cos, sin = inner.rotary_emb(hidden, position_ids=pos)
-    for layer in inner.layers[: config.num_hidden_layers]:
+    for layer in inner.layers[: config.num_hidden_layers if layers is None else layers]:
         # LlamaDecoderLayer.forward
         residual = hidden
         hidden = layer.input_layernorm.forward(hidden)
@@ -146,6 +147,8 @@ def forward(model: torch.nn.Module, fb: Any) -> torch.Tensor:
         mlp = layer.mlp
         hidden = mlp.down_proj.forward(mlp.act_fn.forward(mlp.gate_proj.forward(hidden)) * mlp.up_proj.forward(hidden))
         hidden = residual + hidden
+    if layers is not None:
+        return model.lm_head.forward(inner.norm.forward(hidden[:, fb.logits_rows]))[0].float()
     hidden = inner.norm.forward(hidden)
     # LlamaForCausalLM.forward: slice_logits_to_keep with a 1-D index tensor, then the head
     return model.lm_head.forward(hidden[:, fb.logits_rows, :])[0].float()

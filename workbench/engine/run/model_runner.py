@@ -101,13 +101,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
-        if fb.layer_limit is not None:
-            return self._forward_early_exit(fb)
         if fb.capture is None and self.use_direct and exact_forward.blocked(self.model, self._modules,
                                                                            self._inlined) is None:
             self.forwards["direct"] += 1
-            return exact_forward.forward(self.model, fb)
+            return exact_forward.forward(self.model, fb, fb.layer_limit)
         self.forwards["model"] += 1
+        if fb.layer_limit is not None:
+            return self._forward_early_exit(fb)
         if fb.capture is not None:
             with fb.capture.hooks():
                 return self._model_forward(fb)
