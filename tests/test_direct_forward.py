@@ -74,6 +74,7 @@ def test_a_users_hook_still_fires_and_the_models_forward_runs(fresh):
 
 
 def test_a_failed_check_keeps_the_models_forward(fresh, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_PROBE_CACHE", "0")  # an earlier load's passed check is not read
     real = exact_forward.forward
     monkeypatch.setattr(exact_forward, "forward", lambda model, fb: real(model, fb) + 0.5)
     out, report = _run(fresh, True)
@@ -86,11 +87,25 @@ def test_a_failed_check_keeps_the_models_forward(fresh, monkeypatch):
 
 def test_the_check_sees_a_missing_attention_keyword_that_changes_no_number_yet(monkeypatch):
     """A window longer than the check's 16 tokens changes no logit there; the keyword still counts."""
+    monkeypatch.setenv("WORKBENCH_PROBE_CACHE", "0")
     monkeypatch.setitem(exact_forward.FAMILIES, "mistral", exact_forward.Family("Mistral", None, False))
     loaded = load_model("tiny-random:mistral", device="cpu")
     _, report = _run(loaded, True)
     assert not report["used"] and report["forwards"]["direct"] == 0
     assert "layer 0's attention keywords" in report["why"] and "'sliding_window'" in report["why"]
+
+
+def test_a_passed_check_is_kept_for_the_next_load_of_the_same_model(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))  # the model, its probe and check files all here
+    _, first = _run(load_model("tiny-random", device="cpu"), True)
+    assert first["used"] and first["source"] == "checked in this process" and first["check_seconds"] > 0
+    again = load_model("tiny-random", device="cpu")  # another model object: its own verdict, from the file
+    _, second = _run(again, True)
+    assert second["used"] and second["source"].startswith("cached check from 20") and second["check_seconds"] == 0
+    assert second["forwards"]["direct"] > 0
+    monkeypatch.setenv("WORKBENCH_PROBE_CACHE", "0")
+    _, third = _run(load_model("tiny-random", device="cpu"), True)
+    assert third["source"] == "checked in this process"
 
 
 def test_a_model_that_is_not_transformers_llama_is_refused(fresh):

@@ -20,17 +20,24 @@ bits by construction, and the runner checks that before using it:
   forward runs that step.
 
 The verdict is in `ModelRunner.kernel_report()["checks"]["direct_forward"]`, so the trace's engine
-config says which forward ran and why.
+config says which forward ran and why. A passed check is kept on disk (`checked`), keyed like the
+attention probe's result (variants_store.py: weights, config, modeling code, library versions) plus
+this file's source, so a warm load of the same model runs no check forward (0.5 s for SmolLM2 on
+a 2-core VM); `WORKBENCH_PROBE_CACHE=0` checks on every load.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
+import inspect
+import json
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -249,3 +256,30 @@ def verify(model: torch.nn.Module, own: Any, num_layers: int, kv_heads: int, hea
     return {"identical": True, "forwards": len(plan), "seconds": seconds(),
             "detail": "logits, every layer's K/V and attention keywords bit-identical to the model's forward on "
                       "an extend, a mixed and a decode forward"}
+
+
+def checked(model: torch.nn.Module, content_hash: str, check: Any) -> dict[str, Any]:
+    """`check()` (a `verify` result), or the passed result an earlier load of this same model, code
+    and libraries kept on disk; adds `"source"`: "checked in this process" or "cached check from
+    <date>". Only a passed check is kept: a model that failed is checked again on every load."""
+    from workbench.engine.run import variants_store
+
+    store = variants_store.default_store()
+    if store is None:
+        return {**check(), "source": "checked in this process"}
+    env = {**variants_store.environment(model, content_hash),
+           "probe_code_sha256": hashlib.sha256(Path(inspect.getsourcefile(verify)).read_bytes()).hexdigest()[:16]}
+    path = store.folder.parent / "direct_forward" / f"{hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = None
+    if (isinstance(data, dict) and data.get("environment") == env and data.get("identical") is True
+            and isinstance(data.get("detail"), str) and isinstance(data.get("checked_at"), str)):
+        return {"identical": True, "forwards": 0, "seconds": 0.0, "detail": data["detail"],
+                "source": f"cached check from {data['checked_at']}"}
+    result = check()
+    if result["identical"]:
+        variants_store.write_json(path, {"environment": env, "identical": True, "detail": result["detail"],
+                                         "checked_at": variants_store.now_utc()})
+    return {**result, "source": "checked in this process"}

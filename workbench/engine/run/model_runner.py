@@ -71,9 +71,11 @@ class ModelRunner:
         if why is not None:
             verdict = {"used": False, "why": why}
         else:
-            check = exact_forward.verify(self.model, self._model_forward, self.num_layers, self.kv_heads,
-                                         self.head_dim, self.dtype, self.device)
-            verdict = {"used": check["identical"], "why": check["detail"], "check_seconds": check["seconds"]}
+            check = exact_forward.checked(self.model, self.loaded.content_hash, lambda: exact_forward.verify(
+                self.model, self._model_forward, self.num_layers, self.kv_heads, self.head_dim, self.dtype,
+                self.device))
+            verdict = {"used": check["identical"], "why": check["detail"], "source": check["source"],
+                       "check_seconds": check["seconds"]}
         self.model.__dict__["_workbench_direct"] = verdict
         return verdict
 

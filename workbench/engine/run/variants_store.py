@@ -97,19 +97,27 @@ class VariantStore:
 
     def put(self, env: dict[str, str], found: list[AttentionVariant]) -> None:
         """Keep one probe's result (best effort: an unwritable cache only means the next load probes)."""
-        data = {"environment": env, "probed_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                "layers": [v.as_dict() for v in found]}
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".json", dir=self.folder)
-        except OSError:
-            return
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path(env))
-        except OSError:
-            Path(tmp).unlink(missing_ok=True)
+        write_json(self.path(env), {"environment": env, "probed_at": now_utc(),
+                                    "layers": [v.as_dict() for v in found]})
+
+
+def now_utc() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write `data` to `path` atomically, best effort (an unwritable cache is not an error)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def default_store() -> VariantStore | None:
