@@ -11,7 +11,7 @@ import pytest
 import transformers
 
 from workbench.engine.engine import Engine
-from workbench.engine.run import attention, variants, variants_store
+from workbench.engine.run import attention, exact_forward, variants, variants_store
 from workbench.engine.run.model_runner import ModelRunner
 from workbench.engine.sample.sampling_params import SamplingParams
 from workbench.models import load_model
@@ -51,9 +51,15 @@ def _probed_now(loaded) -> list[variants.AttentionVariant]:
     return found
 
 
+def _cold_forwards(loaded) -> int:
+    """A first runner's forwards on a model object: the attention probe's, and the direct forward's
+    check (run/exact_forward.py) on the families it covers (kept on the object, and on disk)."""
+    return 1 + (exact_forward.CHECK_FORWARDS if exact_forward.refusal(loaded.model) is None else 0)
+
+
 def test_a_warm_load_runs_no_forward_and_gets_what_the_probe_finds(loaded, cache):
     first, forwards = _runner_and_forwards(loaded)
-    assert forwards == 1 and first.variants_source == variants_store.PROBED_NOW
+    assert forwards == _cold_forwards(loaded) and first.variants_source == variants_store.PROBED_NOW
     assert len(list(cache.glob("*.json"))) == 1
     second, forwards = _runner_and_forwards(loaded)
     assert forwards == 0, "a warm load ran the model"
@@ -89,7 +95,7 @@ def test_another_transformers_config_or_switch_probes_afresh(tmp_path, monkeypat
     loaded = load_model("tiny-random:llama", device="cpu")  # from the usual cache, then a fresh variants cache
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
     cache = tmp_path / "variants"
-    assert _runner_and_forwards(loaded)[1] == 1
+    assert _runner_and_forwards(loaded)[1] == _cold_forwards(loaded)
     assert _runner_and_forwards(loaded)[1] == 0
     environment = variants_store.environment
     monkeypatch.setattr(variants_store, "environment", lambda *a: {**environment(*a), "transformers": "9.0.0"})

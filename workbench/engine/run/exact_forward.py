@@ -162,6 +162,7 @@ def forward(model: torch.nn.Module, fb: Any, layers: int | None = None) -> torch
 
 
 _verify_lock = threading.Lock()
+CHECK_FORWARDS = 3  # the model forwards `verify` runs (and the direct ones beside them)
 
 
 def _same_call(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -222,6 +223,7 @@ def verify(model: torch.nn.Module, own: Any, num_layers: int, kv_heads: int, hea
         (ForwardMode.MIXED, [RowSpec("a", a, 6, ids[10:13], 1), RowSpec("b", b, 4, ids[13:14], 1)]),
         (ForwardMode.DECODE, [RowSpec("a", a, 9, ids[14:15], 1), RowSpec("b", b, 5, ids[15:16], 1)]),
     ]
+    assert len(plan) == CHECK_FORWARDS
     kv = memory.kv
     seconds = lambda: round(time.perf_counter() - start, 3)  # noqa: E731
     for n, (mode, rows) in enumerate(plan, 1):
