@@ -60,6 +60,18 @@ def test_windowed_and_qk_norm_families_match_their_own_forward(family):
     assert direct == own
 
 
+def test_the_trace_says_which_forward_runs(tiny, tmp_path):
+    from workbench.trace.reader import open_trace
+
+    path = str(tmp_path / "t.wbtrace")
+    with Engine(tiny, trace_level="summary", trace=path) as engine:
+        engine.generate(["hello"], SamplingParams(temperature=0, max_new_tokens=2))
+    with open_trace(path) as t:
+        recorded = t.meta["engine"]["cpu_kernels"]["checks"]["direct_forward"]
+    assert recorded["used"] is True and "bit-identical" in recorded["why"]
+    assert "forwards" not in recorded  # counts are the live report's, not the load-time config's
+
+
 def test_a_users_hook_still_fires_and_the_models_forward_runs(fresh):
     seen = []
     handle = fresh.model.model.layers[-1].mlp.register_forward_hook(lambda m, a, out: seen.append(out.shape))

@@ -100,7 +100,7 @@ class Engine(EngineFacts):
             chunk_size=chunk_size, kv_tokens=kv_tokens, max_running=max_running, enable_mixed=enable_mixed,
             trace_topk=trace_topk, seed=seed, prefix_sharing=prefix_sharing, prefix_cache=prefix_cache,
             spec=spec if isinstance(spec, (str, dict, type(None))) else getattr(spec, "to_dict", spec.__str__)(),
-            kernels=kernels, cpu_kernels=CpuKernels(**self.runner.kernel_report()),  # what the runner chose at load
+            kernels=kernels, cpu_kernels=CpuKernels(**self.runner.kernel_report(counts=False)),  # what the runner chose at load
             kv_slot_order=kv_slot_order)
         self.trace_topk = trace_topk
         self.prefix_sharing = prefix_sharing

@@ -79,11 +79,15 @@ class ModelRunner:
         self.model.__dict__["_workbench_direct"] = verdict
         return verdict
 
-    def kernel_report(self) -> dict[str, Any]:
+    def kernel_report(self, counts: bool = True) -> dict[str, Any]:
         """Which native paths may run and why, for the engine config / trace meta. The first two keys
-        are the ones older readers know; "checks" is fastpath.py's verdicts on this CPU so far."""
+        are the ones older readers know; "checks" is fastpath.py's verdicts on this CPU so far, and
+        whether the direct forward runs (with `counts`, how many forwards each path ran so far: the
+        engine config, written at load, leaves them out)."""
         checks = fastpath.CHECKS.report()
-        checks["direct_forward"] = {**self.direct, "what": exact_forward.DIRECT, "forwards": dict(self.forwards)}
+        checks["direct_forward"] = {**self.direct, "what": exact_forward.DIRECT}
+        if counts:
+            checks["direct_forward"]["forwards"] = dict(self.forwards)
         if self.fast is not None:
             checks["fast"] = fastmode.report(self.kernels, self.fast)
         return {"decode_attention": self.cpu_fp32 and cpu_kernels.available(),
