@@ -81,6 +81,7 @@ def test_a_users_hook_still_fires_and_the_models_forward_runs(fresh):
         handle.remove()
     assert seen, "the hook on the MLP never ran"
     assert report["forwards"]["direct"] == 0 and report["forwards"]["model"] > 0
+    assert report["forwards"]["last_model_forward_because"] == "a forward hook is registered"
     unhooked, report = _run(fresh, True)
     assert report["forwards"]["direct"] > 0 and hooked == unhooked
 

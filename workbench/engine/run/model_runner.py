@@ -60,7 +60,8 @@ class ModelRunner:
         self.use_direct = self.direct["used"]  # benchmarks switch it off to compare
         self._modules = list(self.model.modules())
         self._inlined = exact_forward.containers(self.model) if self.use_direct else []
-        self.forwards = {"direct": 0, "model": 0}  # which forward ran, counted (kernel_report)
+        # which forward ran, counted, and why the model's own last ran where the direct one could
+        self.forwards: dict[str, Any] = {"direct": 0, "model": 0}
 
     def _check_direct(self) -> dict[str, Any]:
         """exact_forward.py's verdict for this model, once per model object (engines share models)."""
@@ -107,10 +108,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
-        if fb.capture is None and self.use_direct and exact_forward.blocked(self.model, self._modules,
-                                                                           self._inlined) is None:
-            self.forwards["direct"] += 1
-            return exact_forward.forward(self.model, fb, fb.layer_limit)
+        if self.use_direct:
+            why = "a captured request" if fb.capture is not None else \
+                exact_forward.blocked(self.model, self._modules, self._inlined)
+            if why is None:
+                self.forwards["direct"] += 1
+                return exact_forward.forward(self.model, fb, fb.layer_limit)
+            self.forwards["last_model_forward_because"] = why
         self.forwards["model"] += 1
         if fb.layer_limit is not None:
             return self._forward_early_exit(fb)
