@@ -86,6 +86,59 @@ def test_a_users_hook_still_fires_and_the_models_forward_runs(fresh):
     assert report["forwards"]["direct"] > 0 and hooked == unhooked
 
 
+def test_a_module_swapped_in_after_load_runs(fresh):
+    """A notebook replacing a layer's MLP after the check: the replacement (and a hook on a new
+    leaf) runs, as in the model's own forward."""
+    import torch
+
+    class Doubled(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) * 2
+
+    baseline, _ = _run(fresh, True)  # checked and direct
+    layers = fresh.model.model.layers
+    original = layers[-1].mlp
+    layers[-1].mlp = Doubled(original)
+    try:
+        swapped, report = _run(fresh, True)
+        expected, _ = _run(fresh, False)
+    finally:
+        layers[-1].mlp = original
+    assert swapped == expected != baseline
+    assert not report["used"] and report["why"] == "layer 1 has LlamaDecoderLayer, LlamaAttention, Doubled"
+    assert report["forwards"]["direct"] == 0
+    # swapped while an engine runs: its next forward asks again
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    with Engine(fresh, trace_level="off", chunk_size=8, max_running=3) as engine:
+        before = [o.token_ids for o in engine.generate(PROMPTS, params)]
+        layers[-1].mlp = Doubled(original)
+        try:
+            after = [o.token_ids for o in engine.generate(PROMPTS, params)]
+        finally:
+            layers[-1].mlp = original
+        live = engine.runner.kernel_report()["checks"]["direct_forward"]
+    assert before == [t for t, _ in baseline] and after == [t for t, _ in expected]
+    assert live["why"] == "the model's modules changed after the check: layer 1 has LlamaDecoderLayer, " \
+                          "LlamaAttention, Doubled" and not live["used"]
+    seen = []
+    q = layers[0].self_attn.q_proj
+    layers[0].self_attn.q_proj = torch.nn.Linear(q.in_features, q.out_features, bias=False)
+    layers[0].self_attn.q_proj.weight = q.weight
+    handle = layers[0].self_attn.q_proj.register_forward_hook(lambda m, a, out: seen.append(1))
+    try:
+        _, report = _run(fresh, True)
+    finally:
+        handle.remove()
+        layers[0].self_attn.q_proj = q
+    assert seen and report["forwards"]["last_model_forward_because"] == "a forward hook is registered"
+    restored, report = _run(fresh, True)
+    assert report["used"] and report["forwards"]["direct"] > 0 and restored == baseline
+
+
 def test_a_failed_check_keeps_the_models_forward(fresh, monkeypatch):
     monkeypatch.setenv("WORKBENCH_PROBE_CACHE", "0")  # an earlier load's passed check is not read
     real = exact_forward.forward

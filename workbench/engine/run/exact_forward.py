@@ -85,6 +85,24 @@ def refusal(model: torch.nn.Module) -> str | None:
     return None
 
 
+_assignments = [0]  # submodules assigned anywhere in the process since import (see `assignments`)
+
+
+def _count_assignment(module: torch.nn.Module, name: str, submodule: torch.nn.Module | None) -> None:
+    _assignments[0] += 1
+
+
+# torch calls this on every `parent.child = module` and `add_module` (global state, and cheap: a counter)
+torch.nn.modules.module.register_module_module_registration_hook(_count_assignment)
+
+
+def assignments() -> int:
+    """How many submodule assignments the process has made: when it moves, a model's structure may
+    have changed since `refusal` accepted it (a notebook swapping `layers[3].mlp`), so the runner
+    asks `refusal` again before the next direct forward (any model built anywhere moves it too)."""
+    return _assignments[0]
+
+
 def containers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules whose forward bodies `forward` inlines."""
     inner = model.model

@@ -58,27 +58,27 @@ class ModelRunner:
         self.direct = self._check_direct() if self.fast is None else {
             "used": False, "why": f"kernels={self.kernels!r} runs fast mode's wrappers"}
         self.use_direct = self.direct["used"]  # benchmarks switch it off to compare
+        self._structure = exact_forward.assignments()
         self._modules = list(self.model.modules())
         self._inlined = exact_forward.containers(self.model) if self.use_direct else []
         # which forward ran, counted, and why the model's own last ran where the direct one could
         self.forwards: dict[str, Any] = {"direct": 0, "model": 0}
 
     def _check_direct(self) -> dict[str, Any]:
-        """exact_forward.py's verdict for this model, once per model object (engines share models)."""
-        cached = self.model.__dict__.get("_workbench_direct")
-        if cached is not None:
-            return cached
-        why = exact_forward.refusal(self.model)
+        """exact_forward.py's verdict for this model: its classes asked now, the check once per
+        model object (engines share models)."""
+        why = exact_forward.refusal(self.model)  # asked every time: modules may have been swapped since
         if why is not None:
-            verdict = {"used": False, "why": why}
-        else:
+            return {"used": False, "why": why}
+        cached = self.model.__dict__.get("_workbench_direct")
+        if cached is None:
             check = exact_forward.checked(self.model, self.loaded.content_hash, lambda: exact_forward.verify(
                 self.model, self._model_forward, self.num_layers, self.kv_heads, self.head_dim, self.dtype,
                 self.device))
-            verdict = {"used": check["identical"], "why": check["detail"], "source": check["source"],
-                       "check_seconds": check["seconds"]}
-        self.model.__dict__["_workbench_direct"] = verdict
-        return verdict
+            cached = {"used": check["identical"], "why": check["detail"], "source": check["source"],
+                      "check_seconds": check["seconds"]}
+            self.model.__dict__["_workbench_direct"] = cached
+        return cached
 
     def kernel_report(self, counts: bool = True) -> dict[str, Any]:
         """Which native paths may run and why, for the engine config / trace meta. The first two keys
@@ -108,6 +108,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
+        if self.use_direct and exact_forward.assignments() != self._structure:
+            self._restructured()
         if self.use_direct:
             why = "a captured request" if fb.capture is not None else \
                 exact_forward.blocked(self.model, self._modules, self._inlined)
@@ -122,6 +124,19 @@ class ModelRunner:
             with fb.capture.hooks():
                 return self._model_forward(fb)
         return self._model_forward(fb)
+
+    def _restructured(self) -> None:
+        """Submodules were assigned somewhere since the last look: if this model's classes are no
+        longer ones the direct forward inlines, stop using it (and say why); else refresh the
+        module lists its per-forward checks read."""
+        self._structure = exact_forward.assignments()
+        why = exact_forward.refusal(self.model)
+        if why is not None:
+            self.use_direct = False
+            self.direct = {**self.direct, "used": False, "why": f"the model's modules changed after the check: {why}"}
+            return
+        self._modules = list(self.model.modules())
+        self._inlined = exact_forward.containers(self.model)
 
     def _model_forward(self, fb: ForwardBatch) -> torch.Tensor:
         """The unmodified HF model's own forward on the packed batch."""
