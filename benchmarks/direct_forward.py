@@ -25,18 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def measure(loaded, batch: int, steps: int) -> dict[str, float]:
     import torch
 
-    from benchmarks.throughput import chat_prompts
-    from workbench.engine.engine import Engine
+    from benchmarks.step_profile import decoding_engine
     from workbench.engine.run import exact_forward
-    from workbench.engine.sample.sampling_params import SamplingParams
 
-    engine = Engine(loaded, trace_level="off", trace=None, max_running=batch, kv_tokens=batch * 600)
+    engine = decoding_engine(loaded, batch, trace_level="off")
     runner = engine.runner
     if not runner.use_direct:
         raise SystemExit(f"the direct forward does not run for this model: {runner.direct['why']}")
-    params = SamplingParams(temperature=0, max_new_tokens=100, ignore_eos=True)
-    for p in chat_prompts(batch):
-        engine.add_request(p, params)
     times: dict[str, list[float]] = {"model": [], "direct": []}
     identical = []
     paths = {"model": runner._model_forward, "direct": lambda fb: exact_forward.forward(runner.model, fb)}
@@ -61,8 +56,6 @@ def measure(loaded, batch: int, steps: int) -> dict[str, float]:
         return out["model"]
 
     runner._forward = both
-    while len(engine.scheduler.running) < batch or any(r.kv_len < len(r.prompt_ids) for r in engine.scheduler.running):
-        engine.step()
     for _ in range(3):
         engine.step()
     timing["on"] = True

@@ -104,22 +104,28 @@ def instrument(engine, timers: Timers) -> contextlib.ExitStack:
     return stack
 
 
-def profile_batch(loaded, batch: int, steps: int, trace_level: str, new: int = 100,
-                  clock: Callable[[], float] = time.perf_counter, kernels: str = "exact",
-                  direct: bool = True) -> dict[str, float]:
+def decoding_engine(loaded, batch: int, new: int = 100, **engine_kw):
+    """An Engine running `batch` greedy chat requests (ignore_eos, `new` tokens), stepped until
+    every one of them decodes."""
     from benchmarks.throughput import chat_prompts
     from workbench.engine.engine import Engine
     from workbench.engine.sample.sampling_params import SamplingParams
 
     # a KV pool sized for the run, not the default 1 GiB: the machine is shared
-    engine = Engine(loaded, trace_level=trace_level, trace=None, max_running=max(batch, 1), kv_tokens=batch * 600,
-                    kernels=kernels)
-    engine.runner.use_direct = direct and engine.runner.use_direct
+    engine = Engine(loaded, trace=None, max_running=max(batch, 1), kv_tokens=batch * 600, **engine_kw)
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
     for p in chat_prompts(batch):
         engine.add_request(p, params)
     while len(engine.scheduler.running) < batch or any(r.kv_len < len(r.prompt_ids) for r in engine.scheduler.running):
         engine.step()
+    return engine
+
+
+def profile_batch(loaded, batch: int, steps: int, trace_level: str, new: int = 100,
+                  clock: Callable[[], float] = time.perf_counter, kernels: str = "exact",
+                  direct: bool = True) -> dict[str, float]:
+    engine = decoding_engine(loaded, batch, new, trace_level=trace_level, kernels=kernels)
+    engine.runner.use_direct = direct and engine.runner.use_direct
     for _ in range(3):  # warm: every request decoding, first-use kernel checks done
         engine.step()
     timers = Timers(clock)

@@ -29,18 +29,16 @@ a 2-core VM); `WORKBENCH_PROBE_CACHE=0` checks on every load.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib
-import inspect
 import json
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.modules import module as nn_module
 
 DIRECT = "direct forward (transformers' decoder ops without module dispatch)"
 
@@ -93,7 +91,7 @@ def _count_assignment(module: torch.nn.Module, name: str, submodule: torch.nn.Mo
 
 
 # torch calls this on every `parent.child = module` and `add_module` (global state, and cheap: a counter)
-torch.nn.modules.module.register_module_module_registration_hook(_count_assignment)
+nn_module.register_module_module_registration_hook(_count_assignment)
 
 
 def assignments() -> int:
@@ -116,8 +114,6 @@ def blocked(model: torch.nn.Module, modules: list[torch.nn.Module], inlined: lis
     """Why this forward must go through the model's own forward (None: the direct one may run)."""
     if model.training:
         return "the model is in training mode"
-    from torch.nn.modules import module as nn_module
-
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return "a global forward hook is registered"
     for m in modules:
@@ -287,9 +283,9 @@ def checked(model: torch.nn.Module, content_hash: str, check: Any) -> dict[str, 
     store = variants_store.default_store()
     if store is None:
         return {**check(), "source": "checked in this process"}
-    env = {**variants_store.environment(model, content_hash),
-           "probe_code_sha256": hashlib.sha256(Path(inspect.getsourcefile(verify)).read_bytes()).hexdigest()[:16]}
-    path = store.folder.parent / "direct_forward" / f"{hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    # the attention probe's key, with this file's source in place of the probe's
+    env = {**variants_store.environment(model, content_hash), "probe_code_sha256": variants_store.source_sha(verify)}
+    path = variants_store.VariantStore(store.folder.parent / "direct_forward").path(env)
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -37,7 +37,7 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def _source_sha(obj: Any) -> str:
+def source_sha(obj: Any) -> str:
     """The source file defining `obj` (a class or module), hashed; "" where it has none."""
     try:
         path = inspect.getsourcefile(obj)
@@ -55,7 +55,7 @@ def environment(model: Any, content_hash: str) -> dict[str, str]:
     return {"model_hash": content_hash,
             "config_sha256": _sha(model.config.to_json_string(use_diff=False).encode()),
             "class": f"{cls.__module__}.{cls.__qualname__}",
-            "modeling_sha256": _source_sha(sys.modules.get(cls.__module__) or cls),
+            "modeling_sha256": source_sha(sys.modules.get(cls.__module__) or cls),
             "transformers": transformers.__version__, "torch": torch.__version__,
             "probe_code_sha256": _sha(b"".join(Path(f).read_bytes() for f in (
                 inspect.getsourcefile(probe), __file__)))}
