@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.replay import replay
+from workbench.rerun.replay import replay
 from workbench.trace.reader import open_trace
 
 TRACES = Path(__file__).resolve().parent.parent / "traces"
@@ -37,7 +37,7 @@ def test_examples_hold_what_they_promise():
 
 
 def test_a_trace_from_before_the_slot_order_replays_with_the_order_it_was_recorded_in():
-    from workbench.rerun import build_engine
+    from workbench.rerun.rebuild import build_engine
 
     with open_trace(TRACES / "stop_string.wbtrace") as t:
         recorded = dict(t.meta["engine"])

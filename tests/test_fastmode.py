@@ -93,8 +93,9 @@ def test_fast_mode_is_recorded_in_the_trace_and_shown_in_the_tui_header(model, t
 
 
 def test_replay_of_a_fast_trace_reruns_fast_and_diff_says_which_side_was_not_exact(model, tmp_path) -> None:
-    from workbench.replay import replay
-    from workbench.trace.diff import diff_traces, format_report
+    from workbench.rerun.replay import replay
+    from workbench.trace.diff import diff_traces
+    from workbench.trace.diff_format import format_report
     from workbench.trace.reader import open_trace
 
     paths = {k: str(tmp_path / f"{k}.wbtrace") for k in ("exact", "fast")}

@@ -138,7 +138,7 @@ def test_engine_hooks_force_a_token_and_change_params(tiny):
 
 
 def test_token_is_an_id_one_tokens_text_or_a_rank(parent, tiny):
-    from workbench.branch import resolve_token
+    from workbench.rerun.fork import resolve_token
 
     path, _, runner_up = parent
     with open_trace(path) as t:

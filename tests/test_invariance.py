@@ -8,7 +8,7 @@ import pytest
 from workbench.cli import main as cli_main
 from workbench.engine.engine import Engine
 from workbench.engine.sample.sampling_params import SamplingParams
-from workbench.invariance import invariance
+from workbench.rerun.invariance import invariance
 
 PROMPTS = [f"Note {i}: the committee met on day {i} to discuss {'budgets' if i % 2 else 'harbours'} and weather"
            for i in range(16)]

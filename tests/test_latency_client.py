@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from workbench import client as client_mod
-from workbench import client_stream
+from workbench.clients import load as client_mod
+from workbench.clients import stream as client_stream
 from workbench.cli import main
 from workbench.engine.engine import Engine
 from workbench.server.app import create_app

@@ -3,7 +3,7 @@ output buffer's byte limit and the send timeout.
 
 The server listens on a socket with a 4 KiB send buffer (accepted sockets inherit it), its asyncio
 transports pause writing past 4 KiB instead of 64 KiB (uvicorn's `http` protocol class is the hook),
-and the slow client reads its socket through `workbench.client_stream.slow_transport` (one read of
+and the slow client reads its socket through `workbench.clients.stream.slow_transport` (one read of
 at most 16 KiB per second, an 8 KiB receive buffer). So neither the kernel nor asyncio hides the
 slowness in their own buffers, and the server's bounded output buffer is what fills, within seconds.
 """
@@ -22,7 +22,7 @@ import httpx
 import pytest
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from workbench.client_stream import ServerView, StreamRecord, slow_transport, stream_request
+from workbench.clients.stream import ServerView, StreamRecord, slow_transport, stream_request
 from workbench.engine.engine import Engine
 from workbench.server.app import create_app
 from workbench.server.background import BackgroundServer
@@ -101,7 +101,7 @@ async def fast_run(url: str, tokens: int = 200) -> StreamRecord:
 SLOW_CLIENT = """
 import asyncio, json, sys
 import httpx
-from workbench.client_stream import slow_transport, stream_request
+from workbench.clients.stream import slow_transport, stream_request
 
 async def main():
     async with httpx.AsyncClient(timeout=120, transport=slow_transport(1.0, 16384, 8192)) as client:

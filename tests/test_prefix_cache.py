@@ -9,7 +9,7 @@ import pytest
 
 from workbench.engine.engine import Engine
 from workbench.engine.sample.sampling_params import SamplingParams
-from workbench.replay import replay
+from workbench.rerun.replay import replay
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, logprobs=True)
 FIRST = [{"role": "system", "content": "You are a careful assistant who answers in full sentences."},

@@ -143,7 +143,7 @@ async def test_the_external_trace_opens_in_the_tui_with_not_recorded_panes(probe
 
 
 def test_replay_refuses_an_external_trace_and_points_to_check(probed) -> None:
-    from workbench.replay import replay
+    from workbench.rerun.replay import replay
 
     with pytest.raises(ValueError, match="workbench check TRACE --reference MODEL"):
         replay(str(probed[0]), progress=False)

@@ -11,8 +11,8 @@ import pytest
 from workbench.cli import main as cli_main
 from workbench.engine.engine import Engine
 from workbench.engine.sample.sampling_params import SamplingParams
-from workbench.reference import record_hf_trace
-from workbench.replay import replay
+from workbench.external.hf_generate import record_hf_trace
+from workbench.rerun.replay import replay
 from workbench.trace.diff import diff_traces
 from workbench.trace.reader import open_trace
 

@@ -8,13 +8,12 @@ import math
 
 import pytest
 
+from workbench.cli.sampling_args import add_sampling_args, params_from_args
 from workbench.engine.sample.sampling_params import (
     MAX_N,
     MAX_STOP_LEN,
     MAX_STOP_STRINGS,
     SamplingParams,
-    add_sampling_args,
-    params_from_args,
 )
 
 VOCAB = 1000

@@ -12,8 +12,8 @@ import pytest
 
 from workbench.engine.engine import Engine
 from workbench.engine.sample.sampling_params import SamplingParams
-from workbench.engine.spec.config import SpecConfig, parse_spec
-from workbench.engine.spec.drafters import lookup
+from workbench.engine.speculative.config import SpecConfig, parse_spec
+from workbench.engine.speculative.drafters import lookup
 
 PROMPTS = [
     "hello there hello there hello",

@@ -22,7 +22,7 @@ from workbench.engine.engine import Engine
 from workbench.engine.sample.sampler import Sampler, SamplingBatchInfo
 from workbench.engine.sample.sampling_params import SamplingParams
 from workbench.engine.sched.request import Req
-from workbench.engine.spec.verify import sampler_draw, verify_sampled
+from workbench.engine.speculative.verify import sampler_draw, verify_sampled
 
 N = 10_000
 GROUP = 125  # requests with n=GROUP siblings share one prompt prefill

@@ -1,4 +1,4 @@
-"""The viewers' one SSE client (workbench.sse_client, on httpx-sse): `\\n`, `\\r\\n` (sse-starlette) and
+"""The viewers' one SSE client (workbench.clients.sse, on httpx-sse): `\\n`, `\\r\\n` (sse-starlette) and
 `\\r` framing give the same events; comments, other fields and non-JSON data are skipped."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from workbench.sse_client import aiter_sse_json, parse_sse_lines
+from workbench.clients.sse import aiter_sse_json, parse_sse_lines
 
 EVENTS = [b": ping", b"event: x", b'data: {"a":', b"data: 1}", b"", b"id: 3", b"data: not json", b"",
           b'data: {"kind": "server.hello", "step": 2}', b"", b"retry: 10", b"data: [DONE]", b""]

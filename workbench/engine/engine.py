@@ -42,8 +42,8 @@ from workbench.engine.sched.memory import Memory
 from workbench.engine.sched.prefix_cache import PrefixCache
 from workbench.engine.sched.request import Req
 from workbench.engine.sched.scheduler import Scheduler
-from workbench.engine.spec.config import Target
-from workbench.engine.spec.worker import SpecWorker, make_spec_worker
+from workbench.engine.speculative.config import Target
+from workbench.engine.speculative.worker import SpecWorker, make_spec_worker
 from workbench.engine.step import StepContext
 from workbench.engine.timing import ReqTiming
 from workbench.models.loader import LoadedModel, gc_paused, load_model

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.rerun import build_engine, parse_value, recorded_requests, run_recorded
+from workbench.rerun.rebuild import build_engine, parse_value, recorded_requests, run_recorded
 from workbench.trace.diff import DiffReport, diff_traces
 from workbench.trace.reader import Trace, open_trace
 
@@ -153,23 +153,3 @@ def fork(trace: str, at: str | tuple[str, int], *, token: int | str | None = Non
     with open_trace(trace) as a, open_trace(out) as b:
         report = diff_traces(a, b)
     return ForkResult(str(Path(out)), str(trace), branch, report, time.perf_counter() - t0)
-
-
-def main(args: Any) -> int:
-    import sys
-
-    result = fork(args.trace, args.at, token=args.token, changes=args.set, out=args.out, device=args.device,
-                  progress=sys.stderr.isatty())
-    print(result.describe())
-    return 0
-
-
-def add_fork_args(p: Any) -> None:
-    p.add_argument("trace")
-    p.add_argument("--at", required=True, metavar="REQ:POSITION", help="the branch point, e.g. req-3:5")
-    p.add_argument("--token", default=None, metavar="ID|TEXT|rank:N",
-                   help="force this token at the branch point (rank:2 is the recorded runner-up)")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="change the request's sampling parameters from the branch point on (temperature=0 ...)")
-    p.add_argument("--out", required=True, metavar="F.wbtrace")
-    p.add_argument("--device", default=None)

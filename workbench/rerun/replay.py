@@ -1,6 +1,6 @@
 """Replay: re-execute a recorded trace, save the replayed run, and name the first difference.
 
-Owns: comparing a re-execution (workbench/rerun.py rebuilds the engine and re-submits the
+Owns: comparing a re-execution (workbench/rerun/rebuild.py rebuilds the engine and re-submits the
 recorded requests) with the recording at one of three levels (`--compare`):
 `steps` compares every step's events stage by stage (batch composition, tokens and logprobs within
 a tolerance, detokenizer output, finish decisions); `tokens` only each request's tokens and
@@ -10,14 +10,12 @@ names the override it follows from. Stands above `trace/` because it needs the e
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from workbench.rerun import build_engine, parse_value, recorded_requests, run_recorded
+from workbench.rerun.rebuild import build_engine, parse_value, recorded_requests, run_recorded
 from workbench.trace import events as ev
 from workbench.trace.diff import verdict
 from workbench.trace.diff_format import fmt_top, kernels_note
@@ -309,21 +307,3 @@ def replay(path: str, *, overrides: list[str] | None = None, tolerance: float = 
     steps = compared if compare == "steps" else engine.step_no  # tokens/outputs: every step ran and counted
     return ReplayReport(steps, tokens, max_delta, divergence, time.perf_counter() - t0, compare, first, out,
                         (recorded_kernels, engine.config.kernels))
-
-
-def main(args: argparse.Namespace) -> int:
-    report = replay(args.trace, overrides=args.override, tolerance=args.tolerance, device=args.device,
-                    progress=sys.stderr.isatty(), compare=args.compare, out=args.out)
-    print(report.describe())
-    return 0 if report.identical else 1
-
-
-def add_replay_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace")
-    p.add_argument("--tolerance", type=float, default=1e-3)
-    p.add_argument("--override", action="append", default=[], metavar="REQ:FIELD=VALUE",
-                   help="change a recorded request's sampling parameter, or engine.FIELD=VALUE")
-    p.add_argument("--compare", choices=COMPARE, default="steps",
-                   help="what must match: every step's events (default), each request's tokens, or final outputs")
-    p.add_argument("--out", default=None, metavar="R.wbtrace", help="save the replayed run as a trace")
-    p.add_argument("--device", default=None)

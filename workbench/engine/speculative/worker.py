@@ -26,10 +26,10 @@ from workbench.engine.run.forward_batch import ForwardBatch, ForwardMode, RowSpe
 from workbench.engine.sample.logprobs import token_logprobs
 from workbench.engine.sample.sampler import SamplingBatchInfo
 from workbench.engine.sched.request import Req
-from workbench.engine.spec import trace as spec_trace
-from workbench.engine.spec.config import SpecConfig, SpecStats, Target, parse_spec
-from workbench.engine.spec.drafters import Draft, Drafter, make_drafter, token_rows
-from workbench.engine.spec.verify import (
+from workbench.engine.speculative import trace as spec_trace
+from workbench.engine.speculative.config import SpecConfig, SpecStats, Target, parse_spec
+from workbench.engine.speculative.drafters import Draft, Drafter, make_drafter, token_rows
+from workbench.engine.speculative.verify import (
     AcceptRule,
     VerifyResult,
     leviathan_accept,

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from workbench.rerun import build_engine, recorded_requests, run_recorded
+from workbench.rerun.rebuild import build_engine, recorded_requests, run_recorded
 from workbench.trace.diff import Verdict, verdict
 from workbench.trace.reader import open_trace
 
@@ -212,29 +212,3 @@ def invariance(trace: str, *, device: str | None = None, tolerance: float = 1e-3
                        r["params"].get("temperature", 1.0) == 0 or r["params"].get("seed") is not None, sizes,
                        tolerance) for r in requests if r["req_id"] in alone]
     return InvarianceReport(str(trace), drifts, device_name, dtype, time.perf_counter() - t0)
-
-
-def main(args: Any) -> int:
-    import sys
-
-    report = invariance(args.trace, device=args.device, tolerance=args.tolerance, progress=sys.stderr.isatty(),
-                        req_ids=args.request or None)
-    print(report.describe())
-    for rid in args.request or []:
-        print(f"\n{rid}, per position:\n{report.positions_table(rid)}")
-    if not args.no_store:
-        from workbench.trace.invariance_store import store_invariance
-
-        store_invariance(args.trace, report.summary(), report.rows())
-        print(f"stored in {args.trace} (workbench tui {args.trace} shows it in the Tokens pane)", file=sys.stderr)
-    return 0
-
-
-def add_invariance_args(p: Any) -> None:
-    p.add_argument("trace")
-    p.add_argument("--request", action="append", default=[], metavar="REQ",
-                   help="only this request (repeatable); also prints its per-position table")
-    p.add_argument("--tolerance", type=float, default=1e-3, help="top-2 margin below which a flip is a near tie")
-    p.add_argument("--device", default=None)
-    p.add_argument("--no-store", action="store_true",
-                   help="do not store the result in the trace (by default the TUI shows it for each request)")

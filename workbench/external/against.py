@@ -26,7 +26,7 @@ class PeerRun:
 
 
 def _hf_recorder():
-    from workbench.reference import record_hf_trace  # the one place the HF recorder is imported
+    from workbench.external.hf_generate import record_hf_trace  # the one place the HF recorder is imported
 
     return record_hf_trace
 

@@ -6,7 +6,7 @@ one of three modes: `normal`, `slow` (the socket is read at most `read_size` byt
 `read_delay` seconds between reads, through an httpcore network backend, so the server really sees
 a slow reader) and `disconnect` (the connection is closed after some content frames)), and
 `ServerView` (the server's own stamps and finish records for the same request ids, followed from
-`/debug/events`). Does not own: the statistics or the printing (workbench/client.py).
+`/debug/events`). Does not own: the statistics or the printing (workbench/clients/load.py).
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ class ServerView:
                 if resp.status_code != 200:
                     self.error = f"/debug/events answered {resp.status_code}"
                     return
-                from workbench.sse_client import aiter_sse_json
+                from workbench.clients.sse import aiter_sse_json
 
                 async for obj in aiter_sse_json(resp):
                     if obj is not None:

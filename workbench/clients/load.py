@@ -1,7 +1,7 @@
 """`workbench client`: N concurrent streaming requests, timed by the client and by the server, side by side.
 
-Owns: the command's arguments (`add_client_args`), running it (`run_client`, or `run_benchmark`
-from Python: sends the requests, follows the server's `/debug/events` for the same request ids,
+Owns: running the benchmark (`run_benchmark`, which the command `workbench client` calls; its flags are in
+cli_args.py): sends the requests, follows the server's `/debug/events` for the same request ids,
 returns a `ClientReport`) and the report: TTFT and inter-token latency p50/p90/p99 as the client
 measured them, as the engine measured them, at the server's socket (when each frame's write
 returned), and the network gap (server write to client receive) in its own column. The gap needs
@@ -14,43 +14,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from workbench.server.cli_args import is_loopback
+from workbench.clients.loopback import is_loopback
 from workbench.trace.latency import percentile
 
 if TYPE_CHECKING:
-    from workbench.client_stream import ServerView, StreamRecord
+    from workbench.clients.stream import ServerView, StreamRecord
 
 QUANTILES = (50, 90, 99)
-MODES = ("normal", "slow", "disconnect")  # client_stream.MODES, repeated so `workbench --help` needs no httpx
+MODES = ("normal", "slow", "disconnect")  # stream.MODES, repeated so `workbench --help` needs no httpx
 
-
-def add_client_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (workbench serve, or any OpenAI server)")
-    p.add_argument("--model", default=None, help="model id (default: the server's first /v1/models entry)")
-    p.add_argument("-n", "--requests", type=int, default=8, help="requests to send")
-    p.add_argument("-c", "--concurrency", type=int, default=None, help="streams open at once (default: all)")
-    p.add_argument("--prompt", default="Write a short poem about the sea.")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --max-tokens (vLLM/SGLang extension)")
-    p.add_argument("--completions", action="store_true", help="use /v1/completions instead of chat")
-    p.add_argument("--mode", choices=MODES, default="normal",
-                   help="normal; slow: read the socket late (see --read-delay); disconnect: hang up mid-stream")
-    p.add_argument("--slow", type=int, default=None, metavar="K", help="with --mode slow: only the first K streams")
-    p.add_argument("--read-delay", type=float, default=1.0, help="slow mode: seconds between socket reads")
-    p.add_argument("--read-size", type=int, default=65536, help="slow mode: bytes per socket read at most")
-    p.add_argument("--recv-buffer", type=int, default=None, help="slow mode: SO_RCVBUF bytes")
-    p.add_argument("--disconnect-after", type=int, default=3, help="disconnect mode: content frames before hanging up")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--per-request", action="store_true", help="also print one line per request")
-    p.add_argument("--json", default=None, metavar="OUT", help="write the report as JSON")
-    p.add_argument("--timeout", type=float, default=600.0)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -165,7 +141,7 @@ async def run_benchmark(args: argparse.Namespace) -> ClientReport:
     """Send the requests, follow the server's events, and match them up."""
     import httpx
 
-    from workbench.client_stream import ServerView, slow_transport, stream_request
+    from workbench.clients.stream import ServerView, slow_transport, stream_request
 
     _check(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -240,23 +216,3 @@ def format_report(report: ClientReport, per_request: bool = False) -> str:
                          f"{r.aborted and 'aborted: ' + r.aborted or r.finish or rec.finish_reason or rec.error}")
     return "\n".join(lines)
 
-
-def run_client(args: argparse.Namespace) -> int:
-    """`workbench client`: 0 when every request streamed to its end (or hung up on purpose)."""
-    report = asyncio.run(run_benchmark(args))
-    print(format_report(report, args.per_request))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report.to_json(), f, indent=1)
-    failed = [r for r in report.results if r.record.error is not None or r.record.status != 200]
-    return 1 if failed else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="workbench client", description=__doc__.splitlines()[0])
-    add_client_args(parser)
-    return run_client(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

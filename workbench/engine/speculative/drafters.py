@@ -29,7 +29,7 @@ from workbench.engine.run.model_runner import ModelRunner
 from workbench.engine.sample.sampler import SamplingBatchInfo
 from workbench.engine.sched.memory import Memory
 from workbench.engine.sched.request import Req
-from workbench.engine.spec.config import SpecConfig, Target
+from workbench.engine.speculative.config import SpecConfig, Target
 
 if TYPE_CHECKING:
     from workbench.engine.sched.batch import ScheduleBatch

@@ -18,8 +18,8 @@ from workbench.trace import events as ev
 if TYPE_CHECKING:
     from workbench.engine.run.forward_batch import ForwardBatch
     from workbench.engine.sched.request import Req
-    from workbench.engine.spec.drafters import Draft
-    from workbench.engine.spec.verify import VerifyResult
+    from workbench.engine.speculative.drafters import Draft
+    from workbench.engine.speculative.verify import VerifyResult
     from workbench.engine.step import StepContext
 
 
