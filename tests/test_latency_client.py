@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from workbench.cli import main
 from workbench.clients import load as client_mod
 from workbench.clients import stream as client_stream
-from workbench.cli import main
 from workbench.engine.engine import Engine
 from workbench.server.app import create_app
 from workbench.server.background import BackgroundServer
