@@ -144,3 +144,13 @@ def test_no_loose_module_at_the_top_of_the_package() -> None:
     loose = sorted(p.name for p in (ROOT / "workbench").glob("*.py") if p.name != "__init__.py")
     assert loose == []
     assert (ROOT / "workbench" / "cli" / "__main__.py").exists()  # `python -m workbench.cli`, the entry point
+
+
+def test_no_test_module_imports_another() -> None:
+    """Tests share fixtures through conftest.py and code through tests/helpers/, so moving or deleting a
+    test module never breaks another."""
+    borrowed = [f"{path.relative_to(ROOT)} imports {module}"
+                for path in sorted((ROOT / "tests").rglob("test_*.py")) for module, names in _imports(path)
+                if module.startswith("tests") and (module.rsplit(".", 1)[-1].startswith("test_")
+                                                   or any(n.startswith("test_") for n in names))]
+    assert borrowed == []
