@@ -114,7 +114,7 @@ def main() -> int:
                 differ += diff is not None
                 print(f"{name:>13}: {len(events['before'])} events  {diff or 'identical (times ignored)'}")
         finally:
-            for label, tree in trees.items():
+            for tree in trees.values():
                 if str(tree).startswith(str(tmp_path)):
                     subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
                                    capture_output=True)
