@@ -18,9 +18,10 @@ from typing import Any
 from workbench.engine.kernels import environment, switch
 from workbench.engine.kernels.registry import REGISTRY
 from workbench.engine.kernels.store import Store
-from workbench.engine.kernels.verdict import PER_LOAD, PER_OBJECT, Replacement, Verdict
+from workbench.engine.kernels.verdict import PER_OBJECT, PROCESS, Replacement, Verdict
 
 DEFAULT = "default"  # the store under the cache root, unless the switch says `fresh`
+_NONE: dict = {}  # an empty table to look up in (never written)
 
 
 def label(rep: Replacement, key: tuple) -> str:
@@ -32,7 +33,7 @@ class Book:
     def __init__(self, store: Store | None | str = None) -> None:
         self._store = store  # a Store, None (nothing on disk) or DEFAULT
         self._default: Store | None = None
-        self.tables: dict[str, dict[tuple, Verdict]] = {name: {} for name in REGISTRY}
+        self.tables: dict[str, dict[tuple, Verdict]] = {n: {} for n, r in REGISTRY.items() if r.lives == PROCESS}
         self.objects: weakref.WeakKeyDictionary[Any, dict[tuple[str, tuple], Verdict]] = weakref.WeakKeyDictionary()
         self.lock = threading.Lock()
 
@@ -58,17 +59,16 @@ class Book:
         """The verdict on replacement `name` for `key`: kept in this process, else kept on disk by an
         earlier one (`env()` its environment, default the machine and the replacement's code; `valid`
         whether such a verdict still applies), else `check()` now. `about`: the object the verdict is
-        about, for a replacement that lives per object (a model)."""
+        about, for a replacement that lives per object or per load (a model)."""
+        verdict = self.tables.get(name, _NONE).get(key)  # the per-call path: one lookup
+        if verdict is not None:
+            return verdict
         rep = REGISTRY[name]
-        table = self.tables[name] if rep.lives not in (PER_OBJECT, PER_LOAD) else \
-            self.objects.setdefault(about, {}) if rep.lives == PER_OBJECT else None
-        tkey = key if rep.lives != PER_OBJECT else (name, key)
-        if table is not None:
-            verdict = table.get(tkey)
+        if rep.lives == PER_OBJECT and about is not None:
+            verdict = self.objects.get(about, _NONE).get((name, key))
             if verdict is not None:
                 return verdict
         store = self.store if rep.on_disk != "none" else None
-        verdict = None
         if store is not None:
             environ = env() if env is not None else self.environment(rep)
             verdict = store.get(name, environ, label(rep, key))
@@ -79,15 +79,15 @@ class Book:
             if store is not None and (verdict.ok or rep.on_disk == "all"):
                 store.put(name, environ, label(rep, key), verdict)
         with self.lock:
-            if table is not None:
-                table[tkey] = verdict
-            if rep.lives == PER_LOAD and about is not None:  # for the report only: never read back
+            if rep.lives == PROCESS:
+                self.tables[name][key] = verdict
+            elif about is not None:  # per object: read back; per load: for the report only
                 self.objects.setdefault(about, {})[(name, key)] = verdict
         return verdict
 
     def verdicts(self, name: str, about: Any = None) -> list[tuple[tuple, Verdict]]:
         """Replacement `name`'s verdicts so far, by key (per-object ones: those about `about`)."""
-        if REGISTRY[name].lives in (PER_OBJECT, PER_LOAD):
+        if REGISTRY[name].lives != PROCESS:
             mine = self.objects.get(about, {}) if about is not None else {}
             return sorted(((k, v) for (n, k), v in mine.items() if n == name), key=lambda kv: kv[0])
         return sorted(self.tables[name].items(), key=lambda kv: kv[0])
