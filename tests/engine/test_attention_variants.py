@@ -15,7 +15,9 @@ from transformers.masking_utils import sliding_window_causal_mask_function
 from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
 
-from workbench.engine.run import attention, cpu_kernels
+from workbench.engine.kernels import decode_attention, native
+from workbench.engine.kernels.torch_paths import disabled
+from workbench.engine.run import attention
 
 NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
 
@@ -80,18 +82,18 @@ def _pool(seed=3, slots=300, batch=6, length=50, kv_heads=2, d=16):
 @pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
 @pytest.mark.parametrize("window", [1, 4, 32, 64])
 def test_windowed_decode_kernel_is_the_full_kernel_over_the_window(window):
-    assert cpu_kernels.available()
+    assert native.available()
     q, k_pool, v_pool, idx, lens = _pool()
     scale = 16 ** -0.5
     out = torch.full_like(q, float("nan"))
-    assert cpu_kernels.decode_attention(q, k_pool, v_pool, idx, lens, out, scale, window=window)
+    assert decode_attention.decode_attention(q, k_pool, v_pool, idx, lens, out, scale, window=window)
     # the same kernel without a window, given only each row's last min(len, window) slots: bit for bit
     first = (lens - window).clamp(min=0)
     cut = torch.zeros_like(idx)
     for b in range(len(lens)):
         cut[b, :lens[b] - first[b]] = idx[b, first[b]:lens[b]]
     full = torch.full_like(q, float("nan"))
-    assert cpu_kernels.decode_attention(q, k_pool, v_pool, cut, lens - first, full, scale)
+    assert decode_attention.decode_attention(q, k_pool, v_pool, cut, lens - first, full, scale)
     assert torch.equal(out, full)
     # and the numbers of the engine's torch path: gather + sdpa under the window mask
     b, length = idx.shape
@@ -119,7 +121,7 @@ def test_a_windowed_model_gives_the_same_tokens_with_and_without_the_kernel():
     mistral = load_model("tiny-random:mistral", device="cpu")  # every layer windowed (32 tokens)
     prompts = ["The quick brown fox", "a" * 120, "one two three " * 12]
     with_kernel = _family_greedy(mistral, prompts)
-    with cpu_kernels.disabled(mistral.model):
+    with disabled(mistral.model):
         without = _family_greedy(mistral, prompts)
     assert with_kernel[0] == without[0]
     assert with_kernel[1] == pytest.approx(without[1], abs=1e-4)
@@ -152,7 +154,7 @@ def test_decode_kernel_soft_cap_and_sinks_give_the_torch_paths_numbers(window, s
     q, k_pool, v_pool, idx, lens = _pool(seed=5)
     sinks = torch.tensor([0.5, -1.0, 2.0, 3.0]) if with_sinks else None
     out = torch.full_like(q, float("nan"))
-    assert cpu_kernels.decode_attention(q, k_pool, v_pool, idx, lens, out, 0.25, window=window, softcap=softcap,
+    assert decode_attention.decode_attention(q, k_pool, v_pool, idx, lens, out, 0.25, window=window, softcap=softcap,
                                         sinks=sinks)
     b, length = idx.shape
     k = k_pool.index_select(0, idx.reshape(-1)).view(b, length, 2, 16).transpose(1, 2)
@@ -162,5 +164,5 @@ def test_decode_kernel_soft_cap_and_sinks_give_the_torch_paths_numbers(window, s
     want = attention._attend(q.unsqueeze(2), k, v, mask[:, None, None, :], 0.25, softcap, sinks)[:, :, 0]
     torch.testing.assert_close(out, want, atol=2e-6, rtol=1e-5)
     plain = torch.empty_like(q)
-    assert cpu_kernels.decode_attention(q, k_pool, v_pool, idx, lens, plain, 0.25, window=window)
+    assert decode_attention.decode_attention(q, k_pool, v_pool, idx, lens, plain, 0.25, window=window)
     assert (plain - out).abs().max() > 1e-3  # the cap and the sinks change the result: the test can fail

@@ -21,8 +21,18 @@ def _run(loaded, direct: bool, prompts=PROMPTS, **engine_kw):
     with Engine(loaded, trace_level="off", chunk_size=8, max_running=3, **engine_kw) as engine:
         engine.runner.use_direct = direct and engine.runner.use_direct
         outs = engine.generate(prompts, params)
-        report = engine.runner.kernel_report()["checks"]["direct_forward"]
+        report = _direct(engine.runner.kernel_report())
     return [(o.token_ids, [(t.logprob, t.top_logprobs) for t in o.logprobs]) for o in outs], report
+
+
+def _direct(report: dict) -> dict:
+    """The direct forward's entry in the report's one section: its state now (used, why, forwards)
+    with its verdict's source and check time."""
+    entry = report["checks"]["replacements"]["forward.direct"]
+    verdicts = entry["verdicts"]
+    assert len(verdicts) <= 1  # this model's only
+    found = {"source": verdicts[0]["source"], "check_seconds": verdicts[0]["facts"]["seconds"]} if verdicts else {}
+    return {**entry["state"], **found}
 
 
 @pytest.fixture
@@ -67,7 +77,7 @@ def test_the_trace_says_which_forward_runs(tiny, tmp_path):
     with Engine(tiny, trace_level="summary", trace=path) as engine:
         engine.generate(["hello"], SamplingParams(temperature=0, max_new_tokens=2))
     with open_trace(path) as t:
-        recorded = t.meta["engine"]["cpu_kernels"]["checks"]["direct_forward"]
+        recorded = t.meta["engine"]["cpu_kernels"]["checks"]["replacements"]["forward.direct"]["state"]
     assert recorded["used"] is True and "bit-identical" in recorded["why"]
     assert "forwards" not in recorded  # counts are the live report's, not the load-time config's
 
@@ -120,7 +130,7 @@ def test_a_module_swapped_in_after_load_runs(fresh):
             after = [o.token_ids for o in engine.generate(PROMPTS, params)]
         finally:
             layers[-1].mlp = original
-        live = engine.runner.kernel_report()["checks"]["direct_forward"]
+        live = _direct(engine.runner.kernel_report())
     assert before == [t for t, _ in baseline] and after == [t for t, _ in expected]
     assert live["why"] == "the model's modules changed after the check: layer 1 has LlamaDecoderLayer, " \
                           "LlamaAttention, Doubled" and not live["used"]
@@ -140,7 +150,7 @@ def test_a_module_swapped_in_after_load_runs(fresh):
 
 
 def test_a_failed_check_keeps_the_models_forward(fresh, monkeypatch):
-    monkeypatch.setenv("WORKBENCH_PROBE_CACHE", "0")  # an earlier load's passed check is not read
+    monkeypatch.setenv("WORKBENCH_REPLACEMENTS", "fresh")  # an earlier load's passed check is not read
     real = exact_forward.forward
     monkeypatch.setattr(exact_forward, "forward", lambda model, fb: real(model, fb) + 0.5)
     out, report = _run(fresh, True)
@@ -153,7 +163,7 @@ def test_a_failed_check_keeps_the_models_forward(fresh, monkeypatch):
 
 def test_the_check_sees_a_missing_attention_keyword_that_changes_no_number_yet(monkeypatch):
     """A window longer than the check's 16 tokens changes no logit there; the keyword still counts."""
-    monkeypatch.setenv("WORKBENCH_PROBE_CACHE", "0")
+    monkeypatch.setenv("WORKBENCH_REPLACEMENTS", "fresh")
     monkeypatch.setitem(exact_forward.FAMILIES, "mistral", exact_forward.Family("Mistral", None, False))
     loaded = load_model("tiny-random:mistral", device="cpu")
     _, report = _run(loaded, True)
@@ -163,15 +173,20 @@ def test_the_check_sees_a_missing_attention_keyword_that_changes_no_number_yet(m
 
 def test_a_passed_check_is_kept_for_the_next_load_of_the_same_model(monkeypatch, tmp_path):
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))  # the model, its probe and check files all here
+    monkeypatch.delenv("WORKBENCH_REPLACEMENTS", raising=False)
+    checks = []
+    verify = exact_forward.verify
+    monkeypatch.setattr(exact_forward, "verify", lambda *a, **kw: checks.append(1) or verify(*a, **kw))
     _, first = _run(load_model("tiny-random", device="cpu"), True)
     assert first["used"] and first["source"] == "checked in this process" and first["check_seconds"] > 0
+    assert len(checks) == 1
     again = load_model("tiny-random", device="cpu")  # another model object: its own verdict, from the file
     _, second = _run(again, True)
-    assert second["used"] and second["source"].startswith("cached check from 20") and second["check_seconds"] == 0
+    assert second["used"] and second["source"].startswith("cached from 20") and len(checks) == 1  # no check ran
     assert second["forwards"]["direct"] > 0
-    monkeypatch.setenv("WORKBENCH_PROBE_CACHE", "0")
+    monkeypatch.setenv("WORKBENCH_REPLACEMENTS", "fresh")
     _, third = _run(load_model("tiny-random", device="cpu"), True)
-    assert third["source"] == "checked in this process"
+    assert third["source"] == "checked in this process" and len(checks) == 2
 
 
 def test_a_model_that_is_not_transformers_llama_is_refused(fresh):

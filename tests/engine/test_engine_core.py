@@ -276,10 +276,10 @@ def test_a_garbage_filled_kv_pool_gives_the_same_tokens_and_logprobs(tiny, kw):
     # The pool is allocated uninitialised (memory.py): this proves no slot is read before it is written,
     # through padding, chunked prefill, preemption (slots freed and reused), verify and cached prefixes.
     # Without the native kernels, padded decode rows gather row 0 (masked): it must stay finite.
-    from workbench.engine.run import cpu_kernels
+    from workbench.engine.kernels.torch_paths import disabled
 
     kw = dict(kw)
-    off = cpu_kernels.disabled(tiny.model) if kw.pop("torch_attention", False) else contextlib.nullcontext()
+    off = disabled(tiny.model) if kw.pop("torch_attention", False) else contextlib.nullcontext()
     params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True, logprobs=True, top_logprobs=3)
     prompts = [*PROMPTS, list(range(10, 130)),
                [{"role": "user", "content": "Tell me about cats."}], [{"role": "user", "content": "And dogs?"}]]

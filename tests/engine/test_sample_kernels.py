@@ -1,4 +1,4 @@
-"""The sampler's native kernels (engine/run/sample_kernels.py): the inverse-CDF draw picks exactly
+"""The sampler's native kernels (engine/kernels/sampling.py): the inverse-CDF draw picks exactly
 the tokens its float64-cumsum formula picks, the rank count gives exactly the compare-and-count's
 ranks, and a kernel that differs is refused and the formula runs."""
 
@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 
-from workbench.engine.run import sample_kernels
-from workbench.engine.run.fastpath import FastPathChecks
-from workbench.engine.run.sample_kernels import draw_formula
+from workbench.engine.kernels import Book
+from workbench.engine.kernels import sampling as sample_kernels
+from workbench.engine.kernels.sampling import draw_formula
 from workbench.engine.sample import logprobs
 from workbench.engine.sample.sampler import Sampler
 
@@ -45,14 +45,15 @@ def test_rows_with_nan_and_a_refused_draw_kernel_take_the_formula(monkeypatch):
     ids = sample_kernels.sample_draw(probs, u)
     assert ids[2] == -1 and torch.equal(ids[[0, 1, 3, 4, 5]], draw_formula(probs, u)[[0, 1, 3, 4, 5]])
     # a kernel one token off is refused by its check, and nothing calls it after
-    checks = FastPathChecks()
-    monkeypatch.setattr(sample_kernels, "CHECKS", checks)
+    checks = Book()
+    monkeypatch.setattr(sample_kernels, "BOOK", checks)
     real = sample_kernels._unchecked_draw
     monkeypatch.setattr(sample_kernels, "_unchecked_draw", lambda p, u: (real(p, u) + 1).clamp(max=p.shape[1] - 1))
     assert sample_kernels.sample_draw(probs, u) is None
-    verdict = checks.sampler_kernels["sample_draw"]
-    assert not verdict.identical and verdict.mismatches > 0
-    assert checks.report()["sampler_kernels"]["sample_draw"].startswith("torch: the kernel differed")
+    verdict = checks.tables["sample.draw"][()]
+    assert not verdict.ok and verdict.facts["mismatches"] > 0
+    (reported,) = checks.report()["replacements"]["sample.draw"]["verdicts"]
+    assert reported["detail"].startswith("torch: the kernel differed") and not reported["ok"]
     got, _ = Sampler().draw(probs[[0, 1]], _Greedy(2), u[[0, 1]])  # the sampler takes the formula
     assert torch.equal(got, draw_formula(probs[[0, 1]], u[[0, 1]]))
 

@@ -4,7 +4,7 @@ idle RSS after a 5,000-prompt x n=16 request whose client leaves mid-stream, rou
 A real server process over real HTTP, tiny-random; the big client runs in its own process and is
 killed while the stream runs, as a client that leaves does. The baseline is the idle RSS of a
 server that has already run one batched request: its first batched steps pack the model's weights
-for MKL (cpu_kernels.PackedLinear, once per process, by design) and page in code, which is the
+for MKL (kernels/gemm.PackedLinear, once per process, by design) and page in code, which is the
 server warming up, not the big request's doing.
 """
 

@@ -22,8 +22,9 @@ KERNELS = ("exact", "fast", "fast-int8")
 class CpuKernels:
     decode_attention: bool  # the native CPU decode-attention kernel ran (CPU, fp32, extension built)
     packed_linear_bytes: int  # bytes of weights repacked for the native linear kernels
-    # the load-time self-checks on this CPU (run/fastpath.py): where each kernel was found
-    # bit-identical to the op it replaces and so used, where it was refused, and why
+    # every checked replacement (engine/kernels/: Book.report()): the switch, the verdict store, and
+    # per replacement what it replaces, how it is checked and its verdicts; "fast" in fast mode.
+    # Traces before 2026-12-05 hold an older shape here (per kernel family); nothing reads it back
     checks: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
