@@ -108,9 +108,9 @@ class RequestDiff:
     topk_changes: int
     positions: list[PositionDiff] = field(default_factory=list)
     kl_undefined: str | None = None  # why KL is missing at some positions ("A has no top-k", ...)
-    beyond_floor: int = 0  # with a floor: positions whose |Δlogprob| exceeds the engine's own spread
     continuation_a: str = ""  # the text from the first divergence on (the whole output without one)
     continuation_b: str = ""
+    beyond_floor: int = 0  # with a floor: positions whose |Δlogprob| exceeds the engine's own spread
 
     @property
     def shared_prefix(self) -> int:
@@ -215,7 +215,7 @@ def _diff_request(rid_a: str, rid_b: str, ta: list[Any], tb: list[Any], toleranc
     at = first.position if first else len(positions)
     return RequestDiff(rid_a, rid_b, len(positions), len(ta), len(tb), first, max_delta,
                        sum(kls) / len(kls) if kls else None, changes, positions, undefined,
-                       _text(ta[at:]), _text(tb[at:]), beyond)
+                       _text(ta[at:]), _text(tb[at:]), beyond_floor=beyond)
 
 
 def diff_traces(a: Trace, b: Trace, tolerance: float = 1e-3, floor: Any = None) -> DiffReport:
