@@ -127,6 +127,13 @@ def test_diff_names_each_differing_request_and_a_flip_inside_the_floor_is_not_re
     Floor([FloorBand(0.0, math.inf, 100, 100, 0.02)], 4, 100, 1, [0.05], 0, {"url": "http://x"}).save(tmp_path / "f.json")
     code, out = _cli("diff", str(a), str(b), "--floor", str(tmp_path / "f.json"))
     assert code == 1 and "inside the floor" in out
+    # a sampled request's different draw is no near-tie question, floor or not
+    sa = _write(tmp_path / "sa.wbtrace", _run(0.0), {"temperature": 0.8, "greedy": False})
+    sb = _write(tmp_path / "sb.wbtrace", _run(0.01, flip_at=5), {"temperature": 0.8, "greedy": False})
+    with open_trace(sa) as ta, open_trace(sb) as tb:
+        text = format_report(diff_traces(ta, tb, tolerance=0.01, floor=wide))
+    assert "r2 position 5" in text and "sampled (the runs drew different tokens" in text
+    assert "inside the floor (" not in text
 
 
 def test_check_with_a_floor_calls_a_flip_the_engine_makes_itself_inside_the_floor(engine, tmp_path: Path) -> None:

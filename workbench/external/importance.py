@@ -154,9 +154,9 @@ class ImportanceReport:
         mx = "—" if self.max_abs is None else f"{self.max_abs:.4g}"
         lines = [f"  importance ratio  log w = reference − engine over {self.tokens} tokens: mean {mean}, "
                  f"max |log w| {mx}",
-                 f"  TIS (cap C={t.tis_cap:g})  {self.clipped} tokens clipped (w > C)",
-                 f"  MIS [{t.mis_low:g}, {t.mis_high:g}]    {self.dropped} tokens dropped ({self.dropped_low} "
-                 f"below, {self.dropped_high} above) in {len(self.requests_affected)} requests",
+                 f"  {f'TIS (cap C={t.tis_cap:g})':<17} {self.clipped} tokens clipped (w > C)",
+                 f"  {f'MIS [{t.mis_low:g}, {t.mis_high:g}]':<17} {self.dropped} tokens dropped ({self.dropped_low} "
+                 f"below, {self.dropped_high} above); TIS or MIS acts in {len(self.requests_affected)} requests",
                  f"  why               {why}"]
         if self.worst and self.max_abs:
             lines.append("  largest |log w|   " + ", ".join(f"{q}:{p} {r:+.3g}" for r, q, p in self.worst[:3]))

@@ -29,17 +29,21 @@ class Verdict:
     margin: float | None
     near_tie: bool | None
     forced: bool = False  # B's token was forced (a fork's branch point), not chosen
-    floor: float | None = None  # with a measured floor: the margin the engine itself flips at here
+    floor: float | None = None  # with a measured floor: the margin the engine's own noise can flip here
+    sampled: bool = False  # A's request sampled: its runs drew tokens, a differing draw is no near-tie question
 
     @property
     def inside_floor(self) -> bool:
-        return self.floor is not None and self.margin is not None and self.margin <= self.floor
+        return (not self.sampled and self.floor is not None and self.margin is not None
+                and 0 <= self.margin <= self.floor)
 
     @property
     def short(self) -> str:
         """`floor`, `near tie`, `real`, `forced` or `unknown`: the verdict in one word."""
         if self.forced:
             return "forced"
+        if self.sampled:
+            return "sampled"
         if self.near_tie is None:
             return "unknown"
         return "floor" if self.inside_floor else "near tie" if self.near_tie else "real"
@@ -48,11 +52,14 @@ class Verdict:
         if self.forced:
             why = f"; A preferred its own token by {self.margin:.3g} nats" if self.margin is not None else ""
             return f"forced (the fork's branch point{why})"
+        if self.sampled:
+            pref = f"; A preferred its token by {self.margin:.3g} nats" if self.margin is not None else ""
+            return f"sampled (the runs drew different tokens{pref})"
         if self.near_tie is None:
             return "unknown (a side recorded no top-k distribution here)"
         if self.inside_floor:
-            return (f"inside the floor (top-2 margin {self.margin:.3g} nats; the engine flips against itself "
-                    f"at margins up to {self.floor:.3g})")
+            return (f"inside the floor (top-2 margin {self.margin:.3g} nats, within the {self.floor:.3g} "
+                    "the engine's own noise can flip)")
         kind = "a near tie" if self.near_tie else "a real difference"
         return f"{kind} (top-2 margin {self.margin:.3g} nats)"
 
@@ -187,7 +194,7 @@ def _text(events: list[Any]) -> str:
 
 
 def _diff_request(rid_a: str, rid_b: str, ta: list[Any], tb: list[Any], tolerance: float,
-                  floor: Any = None) -> RequestDiff:
+                  floor: Any = None, sampled: bool = False) -> RequestDiff:
     positions, first = [], None
     max_delta, kls, changes, undefined, beyond = 0.0, [], 0, None, 0
     for ea, eb in zip(ta, tb):
@@ -211,6 +218,7 @@ def _diff_request(rid_a: str, rid_b: str, ta: list[Any], tb: list[Any], toleranc
             first = pd_
             pd_.verdict = verdict(ea.top_logprobs, ea.token_id, eb.token_id, tolerance, floor)
             pd_.verdict.forced = getattr(eb, "source", "") == "forced"
+            pd_.verdict.sampled = sampled
             break  # after a different token the two runs condition on different text
     at = first.position if first else len(positions)
     return RequestDiff(rid_a, rid_b, len(positions), len(ta), len(tb), first, max_delta,
@@ -234,9 +242,22 @@ def diff_traces(a: Trace, b: Trace, tolerance: float = 1e-3, floor: Any = None) 
     else:
         pairs = list(zip(ids_a, ids_b))
         only_a, only_b = ids_a[len(pairs):], ids_b[len(pairs):]
-    reqs = [_diff_request(ra, rb, toks_a.get(ra, []), toks_b.get(rb, []), tolerance, floor) for ra, rb in pairs]
+    sampled = {r.req_id for r in a.requests() if _sampled(r.added)}
+    reqs = [_diff_request(ra, rb, toks_a.get(ra, []), toks_b.get(rb, []), tolerance, floor, ra in sampled)
+            for ra, rb in pairs]
     return DiffReport(reqs, only_a, only_b, _fork_of(b, a) or _fork_of(a, b), (kernels_of(a), kernels_of(b)),
                       floor.summary() if floor is not None else None, tolerance)
+
+
+def _sampled(added: Any) -> bool:
+    """A request that drew its tokens (temperature > 0, top_k not 1); False when unknown."""
+    params = getattr(added, "params", None)
+    if not isinstance(params, dict):
+        return False
+    if isinstance(params.get("greedy"), bool):
+        return not params["greedy"]
+    t = params.get("temperature")
+    return isinstance(t, (int, float)) and t > 0 and params.get("top_k") != 1
 
 
 def kernels_of(trace: Trace | dict) -> str | None:
