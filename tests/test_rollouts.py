@@ -233,7 +233,7 @@ def test_trl_and_verl_rollouts_import_and_check_counts_what_tis_and_mis_would_do
     trl = {"prompt_ids": [o.prompt_token_ids for o in raw[:2]], "completion_ids": [o.token_ids for o in raw[:2]],
            "logprobs": lps[:2], "temperature": 1.0}
     # verl's: prompts / responses right-padded with response_mask / rollout_log_probs
-    verl = [{"uid": f"v{i}", "prompts": o.prompt_token_ids, "responses": o.token_ids + [0, 0],
+    verl = [{"uid": "v", "prompts": o.prompt_token_ids, "responses": o.token_ids + [0, 0],
              "response_mask": [1] * len(o.token_ids) + [0, 0], "rollout_log_probs": lps[i] + [0.0, 0.0]}
             for i, o in zip((2, 3), raw[2:])]
     src = tmp_path / "rollouts.jsonl"
@@ -264,7 +264,9 @@ def test_trl_and_verl_rollouts_import_and_check_counts_what_tis_and_mis_would_do
 
     pq.write_table(pa.Table.from_pylist(verl), tmp_path / "r.parquet")
     got = list(read_rollouts(tmp_path / "r.parquet"))
-    assert [r.req_id for r in got] == ["v2", "v3"] and got[0].output_ids == raw[2].token_ids
+    assert [r.req_id for r in got] == ["v", "v"] and got[0].output_ids == raw[2].token_ids
+    with open_trace(tmp_path / "r.wbtrace") as trace:  # verl's shared uid: each sample stays its own request
+        assert [i.req_id for i in trace.requests()][-2:] == ["v", "v#2"]
 
 
 def test_request_outputs_import_duck_typed_with_their_top_logprobs(engine, rollouts, tmp_path) -> None:

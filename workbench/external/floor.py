@@ -11,7 +11,8 @@ What is compared: each request's output positions in order while both runs chose
 chosen token's |Δlogprob| and, for each token in both runs' top-k, its |Δlogprob|, each put in the
 band of its own |logprob| (run A's): a token at logprob −0.001 and one at −7 move by different
 amounts under the same rounding. A position where the runs chose different tokens is a flip; its
-margin is how much run A preferred its own token (from A's top-k). The bound of a band is the
+margin is how much run A preferred its own token (from A's top-k; greedy requests only: a seeded
+draw that differs counts as a flip, but its margin says nothing about near ties). The bound of a band is the
 largest |Δ| seen there; a band with fewer than `MIN_SAMPLES` figures takes the largest of all.
 
 Does not own: probing (probe.py), the check's verdicts (check.py applies `bound` and `flip_bound`),
@@ -182,8 +183,10 @@ def floor_from_traces(path_a: str | os.PathLike[str], path_b: str | os.PathLike[
         for p in r.positions:
             if p.token_a != p.token_b:
                 flips += 1
-                if p.verdict is not None and p.verdict.margin is not None and p.token_b in {int(t[0]) for t in p.top_a}:
-                    margins.append(abs(p.verdict.margin))
+                v = p.verdict  # a greedy flip's margin: how close a call the engine's noise turned
+                if (v is not None and not v.sampled and v.margin is not None and v.margin >= 0
+                        and p.token_b in {int(t[0]) for t in p.top_a}):
+                    margins.append(v.margin)
                 break
             lp_a = p.logprob_a if p.logprob_a is not None else _chosen_logprob(p.top_a, p.token_a)
             if p.logprob_delta is not None and lp_a is not None:

@@ -330,9 +330,13 @@ def write_rollouts(rows: Iterable[Rollout], out: str | os.PathLike[str], *, toke
                              "eos_token_id": tok.eos_token_id, "class": type(tok).__name__}
     text_of = _texts(tok)
     n = tokens = 0
+    seen: dict[str, int] = {}
     writer = TraceWriter(out, meta)
     try:
         for n, r in enumerate(rows, 1):
+            seen[r.req_id] = seen.get(r.req_id, 0) + 1
+            if seen[r.req_id] > 1:  # verl gives a prompt's n samples one uid: each must stay a request
+                r.req_id = f"{r.req_id}#{seen[r.req_id]}"
             params = {**defaults, **r.params}
             t = params.get("temperature")
             params["greedy"] = (isinstance(t, (int, float)) and t == 0) or params.get("top_k") == 1
