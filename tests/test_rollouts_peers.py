@@ -31,7 +31,7 @@ from workbench.trace.reader import open_trace
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-MAX_TOKENS = 16
+MAX_TOKENS = 12  # llama.cpp's server answers one request at a time: keep its share of the suite short
 
 
 def _cli(*argv: str) -> tuple[int, str]:
@@ -46,8 +46,8 @@ def _cli(*argv: str) -> tuple[int, str]:
 def _requests() -> list[ProbeRequest]:
     greedy = {"temperature": 0.0}
     reqs = [ProbeRequest(prompt=p, params=greedy) for p in PLAIN]
-    reqs += [ProbeRequest(messages=[{"role": "user", "content": c}], params=greedy) for c in CHAT[:4]]
-    reqs += [ProbeRequest(prompt=p, params={"temperature": 0.8, "seed": 500 + i}) for i, p in enumerate(PLAIN[:4])]
+    reqs += [ProbeRequest(messages=[{"role": "user", "content": c}], params=greedy) for c in CHAT[:2]]
+    reqs += [ProbeRequest(prompt=p, params={"temperature": 0.8, "seed": 500 + i}) for i, p in enumerate(PLAIN[:2])]
     return reqs
 
 
@@ -112,7 +112,7 @@ def _tokens(path: Path) -> list[tuple[str, list[int], list[float | None]]]:
 
 def test_floor_measures_vllms_disagreement_with_itself(vllm_floor: FloorRun) -> None:
     floor, runs = vllm_floor.floor, list(zip(_tokens(vllm_floor.a), _tokens(vllm_floor.b)))
-    assert floor.requests == len(runs) == 16
+    assert floor.requests == len(runs) == 12
     # every position both runs reached with the same token so far is compared, and no other
     shared, flips, deltas = 0, 0, []
     for (_, ids_a, lps_a), (_, ids_b, lps_b) in runs:
@@ -160,8 +160,8 @@ def test_resend_to_llamacpp_and_diff_names_the_requests_that_differ(vllm_floor: 
     code, text = _cli("diff", str(vllm_floor.a), str(t2), "--floor", str(vllm_floor.path))
     print(text)
     differ = [ra for (ra, ids_a, _), (_, ids_b, _) in zip(_tokens(vllm_floor.a), _tokens(t2)) if ids_a != ids_b]
-    assert differ, "fp32 vLLM and Q4_1 llama.cpp agreed on every token of 16 requests: nothing to name"
-    assert code == 1 and f"requests that differ: {len(differ)} of 16" in text
+    assert differ, "fp32 vLLM and Q4_1 llama.cpp agreed on every token of 12 requests: nothing to name"
+    assert code == 1 and f"requests that differ: {len(differ)} of 12" in text
     named = [line.split()[0] for line in text.split("requests that differ:")[1].splitlines()[1:] if line.startswith("  ")]
     assert named == differ
     assert "floor: measured at" in text

@@ -53,7 +53,8 @@ class Verdict:
             why = f"; A preferred its own token by {self.margin:.3g} nats" if self.margin is not None else ""
             return f"forced (the fork's branch point{why})"
         if self.sampled:
-            pref = f"; A preferred its token by {self.margin:.3g} nats" if self.margin is not None else ""
+            pref = (f"; A's logprob of its token minus of B's: {self.margin:+.3g} nats"
+                    if self.margin is not None else "")
             return f"sampled (the runs drew different tokens{pref})"
         if self.near_tie is None:
             return "unknown (a side recorded no top-k distribution here)"
