@@ -169,6 +169,12 @@ def test_check_with_a_floor_calls_a_flip_the_engine_makes_itself_inside_the_floo
     assert "(floor: the engine's own, up to 1e-09)" in table
     stored = read_checks(swapped)[first.req_id]["positions"][9]
     assert stored["verdict"] == "floor" and stored["floor"] == pytest.approx(1e-9)
+    from tui.widgets.reference import verdict_text
+    from workbench.notebook.viewer import TraceViewer
+
+    assert verdict_text(stored) == "≈ inside the engine's noise floor"  # the TUI's tokens pane
+    fig = TraceViewer(str(swapped), req_id=first.req_id, widgets=False).figures["reference"]
+    assert list(next(t for t in fig.data if t.name == "inside the noise floor").x) == [9]
     tight = Floor([FloorBand(0.0, math.inf, 50, 50, 1e-9)], 2, 50, 1, [gap * 0.5], 0, {"url": "http://vllm"})
     again = check_trace(swapped, "tiny-random", engine=engine, tolerance=0.0, floor=tight, store=False, progress=False)
     assert again.requests[0].divergence_class == "real"  # beyond what the engine does to itself
