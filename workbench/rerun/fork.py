@@ -127,7 +127,7 @@ def fork(trace: str, at: str | tuple[str, int], *, token: int | str | None = Non
         engine, sink = build_engine(parent, cfg, device, out, None)  # speculative as recorded, if it was
         num_steps = parent.num_steps
     forced = resolve_token(token, engine.tokenizer, recorded)
-    branch = BranchPoint(rid, position, forced, engine.outputs.token_text(forced) if forced is not None else None,
+    branch = BranchPoint(rid, position, forced, engine.token_text(forced) if forced is not None else None,
                          recorded.token_id, recorded.text, changes)
     engine.tracer.set_meta("fork", branch.to_meta(str(trace)))
     state = {"forced": forced is None, "changed": not changes}
