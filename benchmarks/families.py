@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.prompts import LONG_TEXT  # noqa: E402
+from tests.helpers.prompts import LONG_TEXT  # noqa: E402
 from workbench.engine.engine import Engine  # noqa: E402
 from workbench.engine.kernels import native  # noqa: E402
 from workbench.engine.sample.sampling_params import SamplingParams  # noqa: E402
