@@ -67,7 +67,10 @@ def _record(tree: Path, model: str, name: str, out: Path) -> None:
 
 def _timeless(value):
     if isinstance(value, dict):
-        return {k: _timeless(v) for k, v in value.items() if k not in TIME_KEYS and not k.endswith(("_t", "_ms", "_s"))}
+        kept = {k: _timeless(v) for k, v in value.items() if k not in TIME_KEYS and not k.endswith(("_t", "_ms", "_s"))}
+        if isinstance(kept.get("timings"), dict):  # a finished request's latencies: only the count is not a time
+            kept["timings"] = {"preemptions": kept["timings"].get("preemptions")}
+        return kept
     if isinstance(value, list):
         return [_timeless(v) for v in value]
     if isinstance(value, float) and math.isnan(value):
@@ -97,6 +100,7 @@ def main() -> int:
     ap.add_argument("--before", required=True, help="a git revision or a checkout folder")
     ap.add_argument("--after", default=str(ROOT), help="a git revision or a checkout folder (default: this one)")
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--keep", default=None, metavar="DIR", help="keep the traces of a workload that differs here")
     args = ap.parse_args()
     differ = 0
     with tempfile.TemporaryDirectory(prefix="events-before-after-") as tmp:
@@ -111,6 +115,10 @@ def main() -> int:
                     _record(tree, args.model, name, out)
                     events[label] = _events(out)
                 diff = _first_difference(events["before"], events["after"])
+                if diff is not None and args.keep:
+                    for label in trees:
+                        Path(args.keep).mkdir(parents=True, exist_ok=True)
+                        (tmp_path / f"{label}-{name}.wbtrace").replace(Path(args.keep) / f"{label}-{name}.wbtrace")
                 differ += diff is not None
                 print(f"{name:>13}: {len(events['before'])} events  {diff or 'identical (times ignored)'}")
         finally:
