@@ -34,6 +34,7 @@ from workbench.engine.run.capture import Capturer
 from workbench.engine.run.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
 from workbench.engine.run.model_runner import ModelRunner
 from workbench.engine.sample.grammar import GrammarBackend
+from workbench.engine.sample.grammar_limits import GrammarLimits
 from workbench.engine.sample.logprobs import store_prompt_logprobs
 from workbench.engine.sample.sampler import Sampler, SamplingBatchInfo
 from workbench.engine.sample.sampling_params import SamplingParams
@@ -67,7 +68,7 @@ class Engine(EngineFacts):
                  trace_level: str = "summary", trace_topk: int = 10, trace_sinks: list[Sink] | None = None,
                  spec: Any = None, seed: int = 0, prefix_sharing: bool = True, prefix_cache: bool = False,
                  max_model_len: int | None = None, capture: Any = None, kernels: str = "exact",
-                 kv_slot_order: str = "restart") -> None:
+                 kv_slot_order: str = "restart", grammar_limits: GrammarLimits | None = None) -> None:
         fastmode.check(kernels)  # a bad value fails before the model loads
         with gc_paused():  # the load allocates much and frees little (loader.gc_paused)
             self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
@@ -94,7 +95,8 @@ class Engine(EngineFacts):
                              slot_order=kv_slot_order)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer, max_ctx)
-        self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.outputs.eos_token_ids)
+        # structured output: limits and compile budgets (grammar_limits.py), compiles tried in a worker first
+        self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.outputs.eos_token_ids, grammar_limits)
         self.config = EngineConfig(
             model=self.loaded.spec, device=self.device, dtype=self.loaded.dtype, max_batch_tokens=max_batch_tokens,
             chunk_size=chunk_size, kv_tokens=kv_tokens, max_running=max_running, enable_mixed=enable_mixed,
@@ -146,7 +148,7 @@ class Engine(EngineFacts):
         """Validate and queue a request (n > 1 queues n; `capture`: capture_spec.py); returns its ids. Thread-safe."""
         arrival = time.perf_counter()
         params = params or SamplingParams()
-        params.validate(self.vocab_size)
+        params.validate(self.vocab_size, self.grammars.limits)
         prompt_ids = self.tokenize(prompt)
         self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
         if params.grammar is not None:
@@ -370,6 +372,7 @@ class Engine(EngineFacts):
         return variants.trace_record(draft if model != "target" and draft is not None else self.runner, layer_limit)
 
     def close(self) -> None:
+        self.grammars.close()  # its worker processes
         self.tracer.close()
 
     def __enter__(self) -> Engine:

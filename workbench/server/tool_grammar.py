@@ -35,15 +35,20 @@ def call_schema(tools: list[dict[str, Any]], name: str | None, args_key: str = "
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def tool_call_grammar(tools: list[dict[str, Any]], name: str | None, fmt: str = "hermes") -> str:
-    """EBNF for exactly one tool call in format `fmt`; ValueError if the schema cannot be compiled."""
+def tool_call_grammar(tools: list[dict[str, Any]], name: str | None, fmt: str = "hermes", limits: Any = None) -> str:
+    """EBNF for exactly one tool call in format `fmt`; ValueError if the schema is over `limits` (a
+    GrammarLimits, its defaults when None) or cannot be parsed. Compiling it is the engine's (under budget)."""
     import xgrammar as xgr
+
+    from workbench.engine.sample.grammar_limits import GrammarLimits, check_limits
 
     if fmt not in WRAPS:
         raise ValueError(f"tool_choice: forcing a call is not supported with --tool-call-parser {fmt} "
                          f"(supported: {', '.join(WRAPS)})")
     head, tail, args_key = WRAPS[fmt]
-    schema = json.dumps(call_schema(tools, name, args_key))
+    call = call_schema(tools, name, args_key)
+    check_limits("json_schema", call, limits or GrammarLimits(), "tools")
+    schema = json.dumps(call)
     try:
         parts = [xgr.Grammar.from_json_schema(schema, any_whitespace=False)]
         parts = [xgr.Grammar.from_regex(_escape(head))] * bool(head) + parts + [xgr.Grammar.from_regex(_escape(tail))] * bool(tail)
