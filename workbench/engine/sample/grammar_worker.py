@@ -110,13 +110,17 @@ def _rss_mb(pid: int) -> float:
 class _Proc:
     """One worker process."""
 
-    def __init__(self, init: dict, memory_mb: int) -> None:
+    def __init__(self, init: Callable[[], dict], memory_mb: int) -> None:
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "workbench.engine.sample.grammar_worker"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                      start_new_session=True)  # a ^C at the terminal reaches the server, which stops it
         self.memory_mb = memory_mb
-        _write(self.proc.stdin.fileno(), {**init, "memory_mb": memory_mb})
+        try:  # the child imports xgrammar meanwhile (seconds)
+            _write(self.proc.stdin.fileno(), {**init(), "memory_mb": memory_mb})
+        except BaseException:
+            self.kill()
+            raise
         ready = self._wait(START_TIMEOUT, None)
         if not ready or not ready.get("ready"):
             self.kill()
@@ -277,14 +281,17 @@ class GrammarWorkers:
             self._slots[slot] = False  # in use
         if proc is None or not proc.alive:
             try:
-                if self._init is None:
-                    self._init = {"tokenizer_info": self._tokenizer_info()}
-                proc = _Proc(self._init, self.limits.compile_memory_mb)
+                proc = _Proc(self._init_message, self.limits.compile_memory_mb)
             except BaseException:
                 with self._lock:
                     self._slots[slot] = None
                 raise
         return slot, proc
+
+    def _init_message(self) -> dict:
+        if self._init is None:
+            self._init = {"tokenizer_info": self._tokenizer_info()}
+        return self._init
 
     def _give(self, slot: int, proc: _Proc, recycle: bool) -> None:
         if recycle or self._closed:
