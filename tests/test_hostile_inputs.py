@@ -309,3 +309,19 @@ def test_the_python_api_refuses_with_a_value_error_and_kills_a_compile_over_budg
         assert time.perf_counter() - t0 < 50 and backend.workers.pids() == []
     finally:
         backend.close()
+
+
+def test_huge_prompts_and_logit_bias_are_refused_before_any_work(server, fresh) -> None:
+    url = server[0]
+    chat = {"model": "tiny-random", "max_tokens": 4, "messages": [{"role": "user", "content": "word " * 700_000}]}
+    bias = {str(i): 1.0 for i in range(60_000)}  # more entries than the vocabulary has tokens
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for path, body, param in ((C, {**ORDINARY, "prompt": "word " * 700_000}, "prompt"),
+                                  ("/v1/chat/completions", chat, "messages"),
+                                  (C, {**ORDINARY, "logit_bias": bias}, "logit_bias")):
+            t0 = time.perf_counter()
+            resp = http.post(path, json=body)
+            elapsed = time.perf_counter() - t0
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text[:300]
+            assert elapsed < 2.0, f"{param}: {elapsed:.2f} s"
+        assert _ordinary_unaffected(http, fresh) < 1.0

@@ -28,7 +28,13 @@ from workbench.engine.output.finish import FinishResult
 from workbench.engine.output.output import RequestOutput, StepOutput
 from workbench.engine.output.postprocess import OutputProcessor
 from workbench.engine.output.stage import NewTokens, OutputStage
-from workbench.engine.prompts import Prompt, as_prompt_list, tokenize_prompt
+from workbench.engine.prompts import (
+    Prompt,
+    as_prompt_list,
+    check_prompt_chars,
+    longest_token_chars,
+    tokenize_prompt,
+)
 from workbench.engine.run import fastmode, variants
 from workbench.engine.run.capture import Capturer
 from workbench.engine.run.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
@@ -126,6 +132,7 @@ class Engine(EngineFacts):
         self._inbox: queue.SimpleQueue[Req] = queue.SimpleQueue()
         self._aborts: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self._ids = itertools.count()
+        self._token_chars: int | None = None  # longest vocabulary entry, found on the first prompt
         torch.manual_seed(seed)
 
     def _make_tracer(self, path: str | None, level: str, sinks: list[Sink] | None) -> Tracer:
@@ -141,6 +148,10 @@ class Engine(EngineFacts):
     # --- admission ---------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt | list[int]) -> list[int]:
+        """Token ids of a prompt; a text too long to fit in the context is refused before tokenizing."""
+        if self._token_chars is None:
+            self._token_chars = longest_token_chars(self.tokenizer)
+        check_prompt_chars(prompt, self.runner.max_context_len, self._token_chars)
         return tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
 
     def add_request(self, prompt: Prompt | list[int], params: SamplingParams | None = None,
