@@ -274,6 +274,14 @@ def test_ten_hostile_requests_among_sixteen_streams_leave_the_streams_alone(serv
     assert busy <= 2 * quiet + 0.002, f"median inter-token gap {quiet * 1000:.1f} ms quiet, {busy * 1000:.1f} ms busy"
 
 
+def _error_of(call, *args) -> str:  # noqa: ANN001, ANN002
+    try:
+        call(*args)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
 def test_the_python_api_refuses_with_a_value_error_and_kills_a_compile_over_budget() -> None:
     from workbench.engine.sample.grammar import GrammarBackend
     from workbench.engine.sample.grammar_limits import GrammarLimits
@@ -296,6 +304,19 @@ def test_the_python_api_refuses_with_a_value_error_and_kills_a_compile_over_budg
         assert time.perf_counter() - t0 < 1.5
         assert backend.workers.pids() == []  # the worker was killed; its memory went with it
         assert backend.compile("regex", "[a-z]+") is backend.compile("regex", "[a-z]+")  # a fresh worker
+    finally:
+        backend.close()
+    backend = GrammarBackend(tok, len(tok), [0], GrammarLimits(compile_timeout=60))
+    try:  # the caller gives up (its client left): the worker's compile is killed, not finished
+        backend.compile("regex", "[a-z]+")
+        errors: list[str] = []
+        waiter = threading.Thread(target=lambda: errors.append(_error_of(backend.compile, "json_schema", props(499))))
+        waiter.start()
+        time.sleep(0.3)
+        backend.abandon("json_schema", props(499))
+        waiter.join(10)
+        assert not waiter.is_alive() and errors and "cancelled" in errors[0]
+        assert backend.workers.pids() == []
     finally:
         backend.close()
     # with the structural limits lifted, 20,000 properties grow the worker by ~10 MB/s until killed

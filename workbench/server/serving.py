@@ -29,6 +29,7 @@ from workbench.server.event_hub import EventHub
 from workbench.server.logprobs import TokenBytes
 from workbench.server.metrics import Metrics
 from workbench.server.protocol import PromptTokensDetails, Usage
+from workbench.server.sse import until_disconnect
 from workbench.server.stream_latency import attach
 
 M = TypeVar("M", bound=BaseModel)
@@ -207,27 +208,32 @@ async def off_loop(state: ServerState, call: Any, kind: str, source: Any, param:
     """`call(kind, source, param)` (a GrammarBackend method that may block for up to the compile budget)
     on a thread, never on the event loop, the admission thread or the engine's; a handler cancelled
     meanwhile (its client left) abandons it, which stops the worker's compile if nobody else waits."""
+    loop = asyncio.get_running_loop()
     try:
-        return await asyncio.to_thread(call, kind, source, param)
+        return await loop.run_in_executor(state.engine.grammars.executor, call, kind, source, param)
     except asyncio.CancelledError:
         state.engine.grammars.abandon(kind, source)
         raise
 
 
-async def prepare_grammar(state: ServerState, params: SamplingParams, prompt_param: str,
+async def prepare_grammar(state: ServerState, request: Request, params: SamplingParams, prompt_param: str,
                           param: str | None = None) -> None:
     """Compile the request's constraint under its time and memory budget before it is submitted
     (grammar_worker.py), so admission finds it compiled; 400 naming `param` (default: the
-    constraint's own parameter) and the limit when it is invalid or over budget."""
+    constraint's own parameter) and the limit when it is invalid or over budget. A client that
+    disconnects meanwhile abandons the compile (499)."""
     constraint = params.grammar
     if constraint is None:
         return
     backend = state.engine.grammars
     try:
-        if not backend.cached(*constraint):
-            await off_loop(state, backend.compile, *constraint, param)
+        if backend.cached(*constraint):
+            return
+        done, _ = await until_disconnect(off_loop(state, backend.compile, *constraint, param), request.receive)
     except ValueError as exc:
         raise api_error_from_value_error(exc, prompt_param) from None
+    if not done:
+        raise APIError(499, "the client disconnected while its grammar compiled", code="client_disconnected")
 
 
 async def submit(state: ServerState, prompts: list[Any], params: SamplingParams, req_id: str,

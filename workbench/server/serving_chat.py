@@ -125,7 +125,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
                           top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
                           vocab_size=state.engine.vocab_size, prompt_param="messages",
                           grammar=forced, grammar_limits=limits)
-    await prepare_grammar(state, params, "messages", "tools" if forced else None)
+    await prepare_grammar(state, request, params, "messages", "tools" if forced else None)
     req_id = new_id("chatcmpl")
     handle = await submit(state, [messages], params, req_id, "messages", stream=bool(req.stream))
     use_tools = bool(req.tools) and req.tool_choice != "none"

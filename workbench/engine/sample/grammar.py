@@ -103,6 +103,18 @@ class GrammarBackend:
         self._cache: OrderedDict[str, Any] = OrderedDict()  # key -> CompiledGrammar, least recent first
         self._cache_bytes = 0
         self.workers = GrammarWorkers(self._tokenizer_info_json, self.limits)
+        self._executor: Any = None
+
+    @property
+    def executor(self) -> Any:
+        """Threads for callers that must not block on a compile (the server's handlers): they mostly
+        wait on a worker process, so there are many; never the event loop's default executor."""
+        with self._lock:
+            if self._executor is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="workbench-grammar")
+            return self._executor
 
     def _get_compiler(self) -> Any:
         with self._build_lock:
@@ -184,6 +196,8 @@ class GrammarBackend:
 
     def close(self) -> None:
         self.workers.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     def new_state(self, params: Any) -> GrammarState | None:
         """A fresh matcher for a request's constraint (None when it has none)."""

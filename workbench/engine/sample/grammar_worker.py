@@ -231,11 +231,12 @@ class GrammarWorkers:
             if job is None:
                 return
             job.waiters -= 1
-            if job.waiters > 0 or job.proc is None:
+            if job.waiters > 0:
                 return
-            job.cancelled = True
+            job.cancelled = True  # not started yet: it will not start
             proc = job.proc
-        proc.proc.send_signal(signal.SIGKILL)
+        if proc is not None:
+            proc.proc.send_signal(signal.SIGKILL)
 
     def _run(self, job: _Job, kind: str, text: str, param: str) -> Verdict:
         lim = self.limits
@@ -244,8 +245,10 @@ class GrammarWorkers:
             slot, proc = self._take()
             with self._lock:
                 job.proc = proc
-                if job.cancelled or job.waiters <= 0:
-                    return Verdict(False, f"{param}: cancelled", cache=False)
+                cancelled = job.cancelled
+            if cancelled:
+                self._give(slot, proc, recycle=False)
+                return Verdict(False, f"{param}: cancelled", cache=False)
             t0 = time.perf_counter()
             reply, peak = proc.run({"kind": kind, "text": text}, lim.compile_timeout)
             seconds = time.perf_counter() - t0
