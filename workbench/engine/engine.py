@@ -159,7 +159,7 @@ class Engine(EngineFacts):
         """Validate and queue a request (n > 1 queues n; `capture`: capture_spec.py); returns its ids. Thread-safe."""
         arrival = time.perf_counter()
         params = params or SamplingParams()
-        params.validate(self.vocab_size, self.grammars.limits)
+        params.validate(self.vocab_size, self.grammars.limits, parse_grammar=False)  # compile() below parses
         prompt_ids = self.tokenize(prompt)
         self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
         if params.grammar is not None:

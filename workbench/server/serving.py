@@ -198,7 +198,7 @@ def build_params(req: Any, *, max_tokens: int, logprobs: bool, top_logprobs: int
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             logprobs=logprobs, top_logprobs=top_logprobs, **grammar_fields(req, grammar))
-        params.validate(vocab_size, grammar_limits)
+        params.validate(vocab_size, grammar_limits, parse_grammar=False)  # parsed in the budgeted compile
     except ValueError as exc:
         raise api_error_from_value_error(exc, prompt_param) from None
     return params

@@ -61,7 +61,8 @@ def tool_format(state: ServerState) -> str:
     return state.extra.get("tool_call_parser", "hermes")
 
 
-def forced_tool_grammar(req: ChatCompletionRequest, fmt: str = "hermes", limits: Any = None) -> dict[str, Any] | None:
+async def forced_tool_grammar(state: ServerState, req: ChatCompletionRequest, fmt: str = "hermes"
+                              ) -> dict[str, Any] | None:
     """An `ebnf` constraint making the answer one tool call, for tool_choice "required" or a named one."""
     choice = req.tool_choice
     if choice in (None, "auto", "none"):
@@ -69,7 +70,15 @@ def forced_tool_grammar(req: ChatCompletionRequest, fmt: str = "hermes", limits:
     name = choice["function"]["name"] if isinstance(choice, dict) else None
     tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
     try:
-        return {"ebnf": tool_call_grammar(tools, name, fmt, limits)}
+        backend = state.engine.grammars
+
+        def build(schema: dict[str, Any], head: str, tail: str) -> str:  # on the grammar threads, in the worker
+            return backend.wrapped(schema, head, tail, "tools")
+
+        def make(_kind: str, _source: Any, _param: Any) -> str:
+            return tool_call_grammar(tools, name, fmt, backend.limits, build)
+
+        return {"ebnf": await off_loop(state, make, "wrapped", None)}
     except ValueError as exc:
         raise bad_request(str(exc), "tool_choice" if "tool_choice" in str(exc) else "tools") from None
 
@@ -120,7 +129,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         check_max_tokens(state, max_tokens)
     await check_tool_schemas(state, req)
     limits = state.engine.grammars.limits
-    forced = forced_tool_grammar(req, tool_format(state), limits)
+    forced = await forced_tool_grammar(state, req, tool_format(state))
     params = build_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                           top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
                           vocab_size=state.engine.vocab_size, prompt_param="messages",

@@ -10,6 +10,7 @@ back out (engine/output/tool_parser.py) or the tool descriptions in the prompt (
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
@@ -35,12 +36,14 @@ def call_schema(tools: list[dict[str, Any]], name: str | None, args_key: str = "
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def tool_call_grammar(tools: list[dict[str, Any]], name: str | None, fmt: str = "hermes", limits: Any = None) -> str:
+def tool_call_grammar(tools: list[dict[str, Any]], name: str | None, fmt: str = "hermes", limits: Any = None,
+                      build: Callable[[dict[str, Any], str, str], str] | None = None) -> str:
     """EBNF for exactly one tool call in format `fmt`; ValueError if the schema is over `limits` (a
-    GrammarLimits, its defaults when None) or cannot be parsed. Compiling it is the engine's (under budget)."""
-    import xgrammar as xgr
-
+    GrammarLimits, its defaults when None) or cannot be parsed. `build(schema, head_regex, tail_regex)`
+    makes the EBNF (the server's: GrammarBackend.wrapped, in the worker process under the compile
+    budget); by default it is built here."""
     from workbench.engine.sample.grammar_limits import GrammarLimits, check_limits
+    from workbench.engine.sample.grammar_worker import clean_error, wrapped_grammar
 
     if fmt not in WRAPS:
         raise ValueError(f"tool_choice: forcing a call is not supported with --tool-call-parser {fmt} "
@@ -48,15 +51,12 @@ def tool_call_grammar(tools: list[dict[str, Any]], name: str | None, fmt: str = 
     head, tail, args_key = WRAPS[fmt]
     call = call_schema(tools, name, args_key)
     check_limits("json_schema", call, limits or GrammarLimits(), "tools")
-    schema = json.dumps(call)
+    if build is not None:
+        return build(call, _escape(head), _escape(tail))
     try:
-        parts = [xgr.Grammar.from_json_schema(schema, any_whitespace=False)]
-        parts = [xgr.Grammar.from_regex(_escape(head))] * bool(head) + parts + [xgr.Grammar.from_regex(_escape(tail))] * bool(tail)
-        grammar = xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0]
+        return wrapped_grammar(json.dumps(call), _escape(head), _escape(tail))
     except Exception as exc:  # xgrammar raises from C++ with its own message
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"tools: a function's parameters are not a usable JSON schema ({first[:200]})") from None
-    return str(grammar)
+        raise ValueError(f"tools: a function's parameters are not a usable JSON schema ({clean_error(exc)[:200]})") from None
 
 
 def _escape(text: str) -> str:

@@ -30,6 +30,17 @@ from workbench.engine.sample.grammar_worker import GrammarWorkers, clean_error, 
 KINDS = ("json_schema", "regex", "ebnf")
 
 
+def _lower_priority() -> None:
+    """This thread yields the CPU to the engine's: a compile waits a little, a stream does not (Linux
+    gives each thread its own nice value)."""
+    import os
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+
+
 def grammar_source(kind: str, source: Any) -> str:
     """The constraint as the string xgrammar parses (a JSON schema dict becomes JSON, its key order kept)."""
     if kind not in KINDS:
@@ -67,15 +78,22 @@ def _cache_key(schema_json: str) -> str:
 _clean = clean_error
 
 
-def check_grammar(kind: str, source: Any, limits: GrammarLimits | None = None) -> None:
-    """Check the structural limits, then parse the constraint (no tokenizer needed); ValueError naming
-    the parameter if it is over a limit or invalid."""
-    import xgrammar as xgr
+def check_grammar(kind: str, source: Any, limits: GrammarLimits | None = None, parse: bool = True) -> None:
+    """Check the structural limits, then (with `parse`) parse the constraint (no tokenizer needed);
+    ValueError naming the parameter if it is over a limit or invalid.
 
+    Parsing is not bounded by the structural limits: xgrammar turns a JSON schema's string `pattern`
+    into grammar rules in time that grows with the square of its quantifier bounds (`a{1,5000}`: 3.8 s
+    on this CPU). Callers that must not block (the server, `Engine.add_request`) pass `parse=False`
+    and leave parsing to the budgeted compile (GrammarBackend.compile, in the worker process)."""
     if kind not in KINDS:
         raise ValueError(f"grammar kind must be one of {KINDS}, got {kind!r}")
     check_limits(kind, source, limits or GrammarLimits())
     text = grammar_source(kind, source)
+    if not parse:
+        return
+    import xgrammar as xgr
+
     try:
         if kind == "json_schema":
             xgr.Grammar.from_json_schema(text, any_whitespace=False)
@@ -113,7 +131,8 @@ class GrammarBackend:
             if self._executor is None:
                 from concurrent.futures import ThreadPoolExecutor
 
-                self._executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="workbench-grammar")
+                self._executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="workbench-grammar",
+                                                    initializer=_lower_priority)
             return self._executor
 
     def _get_compiler(self) -> Any:
@@ -173,6 +192,16 @@ class GrammarBackend:
         verdict = self.workers.verdict("schema", text, grammar_key("schema", _cache_key(text)), param)
         if not verdict.ok:
             raise ValueError(verdict.message)
+
+    def wrapped(self, schema: Any, head_regex: str, tail_regex: str, param: str) -> str:
+        """The EBNF of `schema`'s output between two regexes (a forced tool call), built in a worker under
+        the time and memory budget: xgrammar's schema parse is not bounded by the structural limits."""
+        text, key = self.key("json_schema", schema)
+        verdict = self.workers.verdict("wrapped", text, grammar_key("wrapped", f"{head_regex}\0{tail_regex}\0{key}"),
+                                       param, {"head": head_regex, "tail": tail_regex})
+        if not verdict.ok or verdict.result is None:
+            raise ValueError(verdict.message or f"{param}: no grammar was built")
+        return verdict.result
 
     def abandon(self, kind: str, source: Any) -> None:
         """The caller of `compile` gave up (its client left): the worker's compile stops if nobody else waits."""

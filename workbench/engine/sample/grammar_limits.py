@@ -47,7 +47,7 @@ class GrammarLimits:
     max_depth: int = 64  # nested JSON objects and arrays in a schema
     max_nodes: int = 20_000  # JSON values in a schema
     max_properties: int = 500  # object properties, summed over the whole schema
-    max_repeat: int = 10_000  # largest {m,n} bound, minLength/maxLength/minItems/maxItems
+    max_repeat: int = 1000  # largest {m,n} bound, minLength/maxLength/minItems/maxItems
     compile_timeout: float = 10.0  # seconds a compile may take (in the worker process)
     compile_memory_mb: int = 1024  # memory a compile may add (the worker is killed past it)
     workers: int = 1  # worker processes that compile at once

@@ -63,6 +63,7 @@ class Verdict:
     seconds: float = 0.0  # the compile's time in the worker
     peak_mb: float = 0.0  # the worker's memory growth while compiling
     cache: bool = True  # False for a verdict that says nothing about the grammar (cancelled, no worker)
+    result: str | None = None  # what a "wrapped" job built (an EBNF grammar)
 
 
 # --- framing (both sides) -----------------------------------------------------------------------
@@ -194,8 +195,10 @@ class GrammarWorkers:
                 self._verdicts.move_to_end(key)
             return verdict
 
-    def verdict(self, kind: str, text: str, key: str, param: str) -> Verdict:
-        """Compile `text` in a worker within the budget (blocking); the same key is compiled once."""
+    def verdict(self, kind: str, text: str, key: str, param: str, extra: dict | None = None) -> Verdict:
+        """Compile `text` in a worker within the budget (blocking); the same key is compiled once.
+        Kinds: json_schema, regex, ebnf (compile), schema (jsonschema's check only), wrapped (the EBNF
+        of a JSON schema between two regexes, `extra` = {"head", "tail"}: in `result`, not cached)."""
         with self._lock:
             if key in self._verdicts:
                 self._verdicts.move_to_end(key)
@@ -211,7 +214,7 @@ class GrammarWorkers:
             job.done.wait()
             return job.verdict
         try:
-            verdict = self._run(job, kind, text, param)
+            verdict = self._run(job, kind, text, param, extra or {})
         except Exception as exc:  # no worker could start: nothing is known about the grammar
             verdict = Verdict(False, f"{param}: the grammar worker failed ({exc})", cache=False)
         with self._lock:
@@ -238,7 +241,7 @@ class GrammarWorkers:
         if proc is not None:
             proc.proc.send_signal(signal.SIGKILL)
 
-    def _run(self, job: _Job, kind: str, text: str, param: str) -> Verdict:
+    def _run(self, job: _Job, kind: str, text: str, param: str, extra: dict) -> Verdict:
         lim = self.limits
         self._free.acquire()
         try:
@@ -250,12 +253,13 @@ class GrammarWorkers:
                 self._give(slot, proc, recycle=False)
                 return Verdict(False, f"{param}: cancelled", cache=False)
             t0 = time.perf_counter()
-            reply, peak = proc.run({"kind": kind, "text": text}, lim.compile_timeout)
+            reply, peak = proc.run({**extra, "kind": kind, "text": text}, lim.compile_timeout)
             seconds = time.perf_counter() - t0
             if reply is not None:
                 self._give(slot, proc, recycle=_rss_mb(proc.proc.pid) - proc.base_mb > 64)
                 if reply.get("ok"):
-                    return Verdict(True, seconds=seconds, peak_mb=peak)
+                    result = reply.get("result")
+                    return Verdict(True, seconds=seconds, peak_mb=peak, result=result, cache=result is None)
                 if reply.get("error") == "memory":
                     return self._memory(param, kind, seconds, peak)
                 return Verdict(False, f"{param} is invalid: {reply.get('error', 'unknown error')}", seconds, peak)
@@ -320,7 +324,8 @@ class GrammarWorkers:
 
 
 def _what(kind: str) -> str:
-    return {"json_schema": "JSON schema", "regex": "regex", "ebnf": "grammar", "schema": "JSON schema"}.get(kind, kind)
+    return {"json_schema": "JSON schema", "regex": "regex", "ebnf": "grammar", "schema": "JSON schema",
+            "wrapped": "tool call schema"}.get(kind, kind)
 
 
 # --- the child's side -----------------------------------------------------------------------------
@@ -346,8 +351,20 @@ def _refuse_outside_access() -> None:
     sys.addaudithook(hook)
 
 
-def _job(job: dict, compiler: object) -> None:
+def wrapped_grammar(schema_json: str, head_regex: str, tail_regex: str) -> str:
+    """EBNF of the JSON schema's output between `head_regex` and `tail_regex` (a tool call's tags)."""
+    import xgrammar as xgr
+
+    parts = [xgr.Grammar.from_json_schema(schema_json, any_whitespace=False)]
+    parts = [xgr.Grammar.from_regex(head_regex)] * bool(head_regex) + parts + \
+        [xgr.Grammar.from_regex(tail_regex)] * bool(tail_regex)
+    return str(xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0])
+
+
+def _job(job: dict, compiler: object) -> str | None:
     kind, text = job["kind"], job["text"]
+    if kind == "wrapped":
+        return wrapped_grammar(text, job.get("head", ""), job.get("tail", ""))
     if kind in ("json_schema", "schema"):
         import jsonschema
 
@@ -358,12 +375,13 @@ def _job(job: dict, compiler: object) -> None:
             where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
             raise ValueError(f"not a valid JSON schema at {where}: {exc.message[:200]}") from None
         if kind == "schema":
-            return
+            return None
         compiler.compile_json_schema(text, any_whitespace=False)
     elif kind == "regex":
         compiler.compile_regex(text)
     else:
         compiler.compile_grammar(text)
+    return None
 
 
 def _child() -> int:
@@ -374,6 +392,7 @@ def _child() -> int:
     init = _read(rfd)
     if init is None:
         return 1
+    os.nice(10)  # the engine's threads win the CPU over a compile
     import jsonschema
     import xgrammar as xgr
 
@@ -404,8 +423,8 @@ def _child() -> int:
         if job is None:
             return 0
         try:
-            _job(job, compiler)
-            reply = {"ok": True}
+            result = _job(job, compiler)
+            reply = {"ok": True} if result is None else {"ok": True, "result": result}
         except MemoryError:
             reply = {"ok": False, "error": "memory"}
         except Exception as exc:  # xgrammar raises RuntimeError and friends from C++
