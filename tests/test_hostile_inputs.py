@@ -347,3 +347,17 @@ def test_huge_prompts_and_logit_bias_are_refused_before_any_work(server, fresh) 
             assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text[:300]
             assert elapsed < 2.0, f"{param}: {elapsed:.2f} s"
         assert _ordinary_unaffected(http, fresh) < 1.0
+
+
+def test_the_flags_reach_the_engine_and_a_bad_one_is_named() -> None:
+    import argparse
+
+    from workbench.server.cli_args import add_serve_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--grammar-max-properties", "2000", "--grammar-compile-timeout", "2.5"])
+    limits = engine_kwargs(args)["grammar_limits"]
+    assert (limits.max_properties, limits.compile_timeout, limits.max_repeat) == (2000, 2.5, 1000)
+    with pytest.raises(ValueError, match=r"^--grammar-workers: workers must be an integer >= 1, got 0$"):
+        engine_kwargs(parser.parse_args(["--grammar-workers", "0"]))

@@ -60,7 +60,7 @@ class GrammarLimits:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= lo or (
                     name != "compile_timeout" and not isinstance(value, int)):
                 what = "a number >= 0.1 (seconds)" if name == "compile_timeout" else "an integer >= 1"
-                raise ValueError(f"{name} must be {what}, got {value!r} ({FLAGS[name]})")
+                raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
 def over(param: str, what: str, value: Any, limits_field: str, limit: Any) -> ValueError:
