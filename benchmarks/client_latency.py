@@ -3,7 +3,7 @@ client measured them, as the engine measured them, at the server's socket (when 
 returned), and the network gap (server write to client receive), for the same request ids.
 
 The server runs as `python -m workbench.server` in its own process (trace level summary: its
-`/debug/events` carries the stamps); the client is `workbench client` (workbench/client.py) in
+`/debug/events` carries the stamps); the client is `workbench client` (workbench/clients/load.py) in
 this process. Both read `time.perf_counter()`, the machine's one monotonic clock, so the gap is a
 plain subtraction. Each level sends `--rounds` x concurrency requests, `--new` tokens each
 (`ignore_eos`), after one warm-up request. Results are printed, and written to BENCHMARKS.md
@@ -34,8 +34,9 @@ from pathlib import Path
 
 import httpx
 
-from workbench.client import ClientReport, add_client_args, run_benchmark
-from workbench.client_stream import ServerView, StreamRecord, slow_transport, stream_request
+from workbench.clients.cli_args import add_client_args
+from workbench.clients.load import ClientReport, run_benchmark
+from workbench.clients.stream import ServerView, StreamRecord, slow_transport, stream_request
 from workbench.server.background import ServerProcess
 from workbench.trace.latency import percentile
 

@@ -35,8 +35,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.hostile_cases import SIX, nested, pattern, props, schema, variants  # noqa: E402
-from tests.trace_damage import DAMAGES  # noqa: E402  (the one catalogue, shared with the tests)
+from tests.helpers.hostile_cases import SIX, nested, pattern, props, schema, variants  # noqa: E402
+from tests.helpers.trace_damage import DAMAGES  # noqa: E402  (the one catalogue, shared with the tests)
 
 MODEL = "tiny-random"
 C, CH = "/v1/completions", "/v1/chat/completions"

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.hostile_cases import SIX, props, schema, variants
+from tests.helpers.hostile_cases import SIX, props, schema, variants
 
 pytestmark = pytest.mark.slow  # one server process for the module (20-40 s to start on a busy machine)
 

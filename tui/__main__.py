@@ -2,6 +2,6 @@
 
 import sys
 
-from tui import main
+from tui.cli import main
 
 sys.exit(main(prog="python -m tui"))

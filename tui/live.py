@@ -41,8 +41,8 @@ class LiveTrace(LiveEvents):
 
 
 def parse_sse(lines: Iterable[str]) -> Iterator[dict[str, Any] | None]:
-    """SSE lines -> each event's JSON object; None for `[DONE]` (workbench.sse_client, any line ending)."""
-    from workbench.sse_client import parse_sse_lines
+    """SSE lines -> each event's JSON object; None for `[DONE]` (workbench.clients.sse, any line ending)."""
+    from workbench.clients.sse import parse_sse_lines
 
     return parse_sse_lines(lines)
 
@@ -80,7 +80,7 @@ async def follow_sse(url: str, on_events: Callable[[list[Event]], None], on_stat
                         raise ConnectionError(f"HTTP {response.status_code}: {_error_message(response)}")
                     on_status("connected")
                     delay = 0.25
-                    from workbench.sse_client import aiter_sse_json
+                    from workbench.clients.sse import aiter_sse_json
 
                     await _pump(aiter_sse_json(response), on_events, on_info or (lambda info: None))
             on_status("stream ended")

@@ -11,7 +11,7 @@ _LAZY = {
     "SamplingParams": ("workbench.engine.sample.sampling_params", "SamplingParams"),
     "RequestOutput": ("workbench.engine.output.output", "RequestOutput"),
     "open_trace": ("workbench.trace.reader", "open_trace"),
-    "fork": ("workbench.branch", "fork"),
+    "fork": ("workbench.rerun.fork", "fork"),
 }
 
 __all__ = list(_LAZY)

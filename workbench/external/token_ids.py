@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from workbench.bytelevel import UNICODE_TO_BYTE
 from workbench.external.records import ID_RECOVERED, ID_SERVER, ID_UNKNOWN
+from workbench.models.bytelevel import UNICODE_TO_BYTE
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")

@@ -17,7 +17,7 @@ from workbench.trace.diff_format import format_report
 from workbench.trace.reader import Trace, open_trace
 
 if TYPE_CHECKING:
-    from workbench.invariance import InvarianceReport
+    from workbench.rerun.invariance import InvarianceReport
 
 BRANCH_MARK = "⑂"
 _STYLE = """<style>
@@ -106,7 +106,7 @@ class DiffView:
 
 
 class InvarianceView:
-    """A batch-invariance report (workbench.invariance) as a table per request: drift per position."""
+    """A batch-invariance report (workbench.rerun.invariance) as a table per request: drift per position."""
 
     def __init__(self, report: InvarianceReport, req_ids: list[str] | None = None) -> None:
         self.report = report

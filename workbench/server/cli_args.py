@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
-import ipaddress
 import logging
 import os
 import sys
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workbench.clients.loopback import is_loopback
 from workbench.engine.config import KERNELS
 
 log = logging.getLogger("workbench.server")
@@ -177,7 +177,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The Engine keyword arguments the engine flags ask for; ValueError naming the flag, before any load."""
-    from workbench.engine.spec.config import parse_spec
+    from workbench.engine.speculative.config import parse_spec
 
     def get(name: str, default: Any) -> Any:
         return getattr(args, name, default)
@@ -209,15 +209,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["max_model_len"] = args.max_model_len
     return kw
 
-
-def is_loopback(host: str) -> bool:
-    """`localhost` or a loopback address: a server there is on this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def build_server(args: argparse.Namespace) -> tuple[Any, Any]:

@@ -14,8 +14,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from workbench.bytelevel import UNICODE_TO_BYTE
 from workbench.engine.output.output import TokenLogprob
+from workbench.models.bytelevel import UNICODE_TO_BYTE
 from workbench.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")

@@ -4,7 +4,7 @@ divergence per position (only where both sides recorded a distribution).
 
 Owns: comparing what two runs produced (engine vs engine, parent vs fork, or engine vs the
 transformers adapter) and the near-tie verdict that `workbench replay` shares. Does not own:
-re-execution (workbench/replay.py) or the text report (trace/diff_format.py). Reads only `token`
+re-execution (workbench/rerun/replay.py) or the text report (trace/diff_format.py). Reads only `token`
 and `request.*` events, so it works across traces with different batching, chunking or speculation.
 """
 
@@ -224,8 +224,3 @@ def _fork_of(child: Trace, parent: Trace) -> dict[str, Any] | None:
         same = os.path.basename(named) == os.path.basename(path)
     return fork if same else None
 
-
-def format_report(report: DiffReport) -> str:
-    from workbench.trace.diff_format import format_report as fmt
-
-    return fmt(report)

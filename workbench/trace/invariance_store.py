@@ -5,7 +5,7 @@ from `workbench invariance T`), the run's summary under meta key `invariance`, w
 existing trace (`store_invariance`, replacing an earlier result) and reading them back
 (`read_invariance`; both through annotations.py), and looking up one position (`position_drift`). A trace never measured has no
 such table; older readers ignore it, so the schema version is unchanged. Standard library only.
-Does not own computing the drift (workbench/invariance.py).
+Does not own computing the drift (workbench/rerun/invariance.py).
 
 Row payload: `{"req_id", "len_batched", "len_alone", "first_diff", "seeded", "max_delta",
 "verdict": {"near_tie", "margin", "text"} | None, "positions": [{"position", "token_batched",

@@ -1,0 +1,65 @@
+"""Batch invariance: each recorded request re-run alone and in its recorded batch of 16, compared per
+position (logprob drift of the same token, first differing token, near tie or not)."""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench.cli import main as cli_main
+from workbench.engine.engine import Engine
+from workbench.engine.sample.sampling_params import SamplingParams
+from workbench.rerun.invariance import invariance
+
+PROMPTS = [f"Note {i}: the committee met on day {i} to discuss {'budgets' if i % 2 else 'harbours'} and weather"
+           for i in range(16)]
+N = 8
+
+
+def _record(model, path, device="cpu", dtype=None, unseeded: int | None = None):
+    params = [SamplingParams(temperature=0, max_new_tokens=N, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.8, seed=None if i == unseeded else i, max_new_tokens=N, ignore_eos=True)
+              for i in range(16)]
+    with Engine(model, device=device, dtype=dtype, trace=str(path)) as engine:
+        engine.generate(PROMPTS, params)
+    return path
+
+
+@pytest.mark.slow
+def test_sixteen_requests_alone_vs_batched(tiny, tmp_path, capsys):
+    path = _record(tiny, tmp_path / "sixteen.wbtrace", unseeded=4)
+    report = invariance(str(path))
+    assert len(report.requests) == 16
+    assert all(max(r.batch_sizes) > 1 for r in report.requests)  # they really shared forwards
+    seeded = [r for r in report.requests if r.seeded]
+    assert len(seeded) == 15 and not report.request("req-4").seeded
+    assert all(r.identical and len(r.positions) == N for r in seeded)  # CPU fp32: the same tokens alone
+    assert report.max_delta < 1e-3
+    with capsys.disabled():  # the figure for the record, shown with -s
+        print(f"\nmax |dlogprob| alone vs batched, 16 requests x {N} tokens (tiny-random, CPU fp32): "
+              f"{report.max_delta:.2e}")
+    text = report.describe()
+    assert "15/16" in text or "16/16" in text
+    assert "sampled without a seed" in text
+    assert cli_main(["invariance", str(path), "--request", "req-3"]) == 0
+    out = capsys.readouterr().out
+    assert "req-3, per position:" in out and len(out.split("req-3, per position:")[1].strip().splitlines()) == N + 1
+
+
+def test_unknown_request_is_a_clear_error(tiny, tmp_path, capsys):
+    path = tmp_path / "one.wbtrace"
+    with Engine(tiny, trace=str(path)) as engine:
+        engine.generate(["hello there"], SamplingParams(temperature=0, max_new_tokens=2))
+    assert cli_main(["invariance", str(path), "--request", "req-9"]) == 2
+    assert "no recorded request 'req-9'" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_invariance_on_cuda_bf16(tiny, tmp_path):
+    path = _record("tiny-random", tmp_path / "cuda.wbtrace", device="cuda", dtype="bfloat16")
+    report = invariance(str(path))
+    assert report.device.startswith("cuda") and "bfloat16" in report.dtype
+    assert all(len(r.positions) > 0 for r in report.requests)
+    assert all(r.verdict is not None for r in report.requests if r.first_diff is not None)
+    print(f"\nCUDA bf16: {sum(r.identical for r in report.requests)}/16 identical, max |dlogprob| "
+          f"{report.max_delta:.2e}")
+    print(report.describe())

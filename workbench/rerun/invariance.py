@@ -1,0 +1,214 @@
+"""Batch invariance, explained: does a request produce the same tokens alone as in its batch?
+
+Owns: re-running a recorded trace twice on the recorded engine config — every request in its
+recorded batch (replay's `run_recorded`), then each request alone — and comparing per output
+position the chosen token's logprob (the drift batching causes), the first token that differs and
+whether it was a near tie (the batched run's top-2 margin). `workbench invariance T` prints it; the
+notebook's `InvarianceView` draws it. Stands above `trace/` because it needs the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from workbench.rerun.rebuild import build_engine, recorded_requests, run_recorded
+from workbench.trace.diff import Verdict, verdict
+from workbench.trace.reader import open_trace
+
+
+@dataclass(slots=True)
+class PositionDrift:
+    position: int
+    token_batched: int
+    token_alone: int
+    text_batched: str
+    text_alone: str
+    logprob_batched: float | None
+    logprob_alone: float | None
+
+    @property
+    def delta(self) -> float | None:
+        """|logprob batched - logprob alone| of the same token (None where the tokens differ)."""
+        if self.token_batched != self.token_alone or self.logprob_batched is None or self.logprob_alone is None:
+            return None
+        return abs(self.logprob_batched - self.logprob_alone)
+
+
+@dataclass(slots=True)
+class RequestDrift:
+    req_id: str
+    positions: list[PositionDrift]
+    len_batched: int
+    len_alone: int
+    first_diff: int | None  # the first position whose token differs
+    verdict: Verdict | None  # at first_diff: near tie or real, from the batched run's top-k
+    seeded: bool  # False: sampled without a seed, so the draws differ as well as the numerics
+    batch_sizes: list[int] = field(default_factory=list)  # rows in the step that chose each position
+
+    @property
+    def max_delta(self) -> float:
+        return max((p.delta for p in self.positions if p.delta is not None), default=0.0)
+
+    @property
+    def identical(self) -> bool:
+        return self.first_diff is None and self.len_batched == self.len_alone
+
+
+@dataclass(slots=True)
+class InvarianceReport:
+    trace: str
+    requests: list[RequestDrift]
+    device: str
+    dtype: str
+    seconds: float
+
+    @property
+    def max_delta(self) -> float:
+        return max((r.max_delta for r in self.requests), default=0.0)
+
+    def summary(self) -> dict[str, Any]:
+        """The run's facts for the trace's meta (trace/invariance_store.py)."""
+        return {"device": self.device, "dtype": self.dtype, "seconds": round(self.seconds, 3),
+                "max_delta": self.max_delta, "requests": len(self.requests),
+                "identical": sum(r.identical for r in self.requests),
+                "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One JSON-able row per request, as trace/invariance_store.py stores it."""
+        out = []
+        for r in self.requests:
+            sizes = r.batch_sizes + [0] * len(r.positions)
+            out.append({"req_id": r.req_id, "len_batched": r.len_batched, "len_alone": r.len_alone,
+                        "first_diff": r.positions[r.first_diff].position if r.first_diff is not None else None,
+                        "seeded": r.seeded, "max_delta": r.max_delta,
+                        "verdict": None if r.verdict is None else {"near_tie": r.verdict.near_tie,
+                                                                    "margin": r.verdict.margin,
+                                                                    "text": r.verdict.describe()},
+                        "positions": [{"position": p.position, "token_batched": p.token_batched,
+                                       "token_alone": p.token_alone, "text_batched": p.text_batched,
+                                       "text_alone": p.text_alone, "logprob_batched": p.logprob_batched,
+                                       "logprob_alone": p.logprob_alone, "delta": p.delta, "batch_size": b}
+                                      for p, b in zip(r.positions, sizes)]})
+        return out
+
+    def request(self, req_id: str) -> RequestDrift:
+        return next(r for r in self.requests if r.req_id == req_id)
+
+    def describe(self) -> str:
+        same = sum(r.identical for r in self.requests)
+        lines = [f"batch invariance of {self.trace} ({self.device}, {self.dtype}): {same}/{len(self.requests)} "
+                 f"requests produce the same tokens alone as in their batch; max |dlogprob| {self.max_delta:.2e} "
+                 f"({self.seconds:.1f} s)",
+                 f"{'request':<16} {'compared':>8} {'max batch':>9} {'max|dlp|':>9}  first differing token"]
+        for r in self.requests:
+            first = "none"
+            if r.first_diff is not None:
+                p = r.positions[r.first_diff]
+                first = (f"position {p.position}: {p.text_batched!r} batched vs {p.text_alone!r} alone, "
+                         f"{r.verdict.describe() if r.verdict else 'no verdict'}")
+            elif r.len_batched != r.len_alone:
+                first = f"none, but {r.len_batched} tokens batched vs {r.len_alone} alone"
+            if not r.seeded:
+                first += " (sampled without a seed: the draws differ too)"
+            lines.append(f"{r.req_id:<16} {len(r.positions):>8} {max(r.batch_sizes, default=0):>9} "
+                         f"{r.max_delta:>9.2e}  {first}")
+        return "\n".join(lines)
+
+    def positions_table(self, req_id: str) -> str:
+        r = self.request(req_id)
+        lines = [f"{'pos':>4} {'batch':>5} {'batched':<16} {'alone':<16} {'lp batched':>10} {'lp alone':>10} {'|dlp|':>9}"]
+        for p, b in zip(r.positions, r.batch_sizes + [0] * len(r.positions)):
+            d = "differs" if p.delta is None and p.token_batched != p.token_alone else (
+                f"{p.delta:.2e}" if p.delta is not None else "—")
+            lines.append(f"{p.position:>4} {b:>5} {p.text_batched!r:<16} {p.text_alone!r:<16} "
+                         f"{_num(p.logprob_batched):>10} {_num(p.logprob_alone):>10} {d:>9}")
+        return "\n".join(lines)
+
+
+def _num(x: float | None) -> str:
+    return "—" if x is None else f"{x:.4f}"
+
+
+def _tokens(events: list[Any]) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {}
+    for e in events:
+        if e.kind == "token":
+            out.setdefault(e.req_id, []).append(e)
+    for toks in out.values():
+        toks.sort(key=lambda e: e.position)
+    return out
+
+
+def _batch_sizes(events: list[Any]) -> dict[int, int]:
+    """Rows sampled per step (how many requests shared the forward that chose a token)."""
+    sizes: dict[int, int] = {}
+    for e in events:
+        if e.kind == "token":
+            sizes[e.step] = sizes.get(e.step, 0) + 1
+    return sizes
+
+
+def _compare(rid: str, batched: list[Any], alone: list[Any], seeded: bool, sizes: dict[int, int],
+             tolerance: float) -> RequestDrift:
+    positions, first, why = [], None, None
+    for eb, ea in zip(batched, alone):
+        positions.append(PositionDrift(eb.position, eb.token_id, ea.token_id, eb.text, ea.text, eb.logprob, ea.logprob))
+        if eb.token_id != ea.token_id:
+            first, why = len(positions) - 1, verdict(eb.top_logprobs, eb.token_id, ea.token_id, tolerance)
+            break  # after a different token the two runs condition on different text
+    return RequestDrift(rid, positions, len(batched), len(alone), first, why, seeded,
+                        [sizes.get(e.step, 0) for e in batched[: len(positions)]])
+
+
+def _alone(r: dict[str, Any]) -> dict[str, Any]:
+    """The recorded request as a request of its own: arriving at once; an n > 1 sibling as n = 1 with
+    the seed it had (the engine seeds sibling i with seed + i)."""
+    params = {**r["params"], "n": 1}
+    if r.get("parent_id") is not None and params.get("seed") is not None:
+        params["seed"] += int(r["req_id"].rsplit("-", 1)[1])
+    return {**r, "step": 0, "parent_id": None, "params": params}
+
+
+def invariance(trace: str, *, device: str | None = None, tolerance: float = 1e-3, progress: bool = False,
+               req_ids: list[str] | None = None) -> InvarianceReport:
+    """Re-run `trace` as recorded (batched) and each request alone; compare them per position."""
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    with open_trace(trace) as recorded:
+        requests = recorded_requests(recorded)
+        if not requests:
+            raise ValueError(f"trace {trace!r} records no requests: nothing to compare")
+        known = {r["req_id"] for r in requests}
+        for rid in req_ids or []:
+            if rid not in known:
+                raise ValueError(f"invariance: no recorded request {rid!r}; requests are {sorted(known)}")
+        engine, sink = build_engine(recorded, dict(recorded.meta.get("engine") or {}), device)
+    bar = tqdm(total=len(requests) + 1, disable=not progress, desc="batched, then alone", unit="run")
+    try:
+        for _ in run_recorded(engine, sink, requests):
+            pass
+        batched_events = list(sink.events)
+        bar.update(1)
+        alone: dict[str, list[Any]] = {}
+        for r in requests:
+            if req_ids and r["req_id"] not in req_ids:
+                continue
+            engine.forget(r["req_id"])
+            engine.flush_prefix_cache()  # alone means nothing cached from the batched run either
+            sink.events.clear()
+            for _ in run_recorded(engine, sink, [_alone(r)]):
+                pass
+            alone[r["req_id"]] = _tokens(sink.events).get(r["req_id"], [])
+            bar.update(1)
+    finally:
+        bar.close()
+        device_name, dtype = str(engine.device), str(engine.config.dtype)
+        engine.close()
+    batched, sizes = _tokens(batched_events), _batch_sizes(batched_events)
+    drifts = [_compare(r["req_id"], batched.get(r["req_id"], []), alone[r["req_id"]],
+                       r["params"].get("temperature", 1.0) == 0 or r["params"].get("seed") is not None, sizes,
+                       tolerance) for r in requests if r["req_id"] in alone]
+    return InvarianceReport(str(trace), drifts, device_name, dtype, time.perf_counter() - t0)
