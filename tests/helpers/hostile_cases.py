@@ -1,4 +1,4 @@
-"""The hostile structured-output catalogue of issue 36, shared by tests/test_hostile_inputs.py and
+"""The hostile structured-output catalogue of issue 36, shared by tests/server/test_hostile_inputs.py and
 benchmarks/hardening_sweep.py: each case is a request body's extra fields and what it must get
 (400 naming a parameter, or a 200 where the constraint is legitimate and cheap)."""
 

@@ -89,7 +89,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - (url, pi
     env = {**os.environ, "HOSTILE_AUDIT_LOG": str(audit), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen([sys.executable, "-c", AUDITED, "--model", "tiny-random", "--port", str(port),
                              "--log-level", "warning", "--grammar-compile-timeout", str(COMPILE_TIMEOUT)],
-                            env=env, cwd=str(Path(__file__).resolve().parent.parent))
+                            env=env, cwd=str(Path(__file__).resolve().parents[2]))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
     while True:
@@ -233,7 +233,7 @@ def test_no_request_opens_a_file_or_a_connection_it_was_not_configured_with(serv
     opened = [e[1] for e in events if e[0] == "open"]
     assert str(secret) not in opened
     assert not [e for e in events if e[0] in ("socket.connect", "socket.getaddrinfo", "urllib.Request")]
-    allowed = ("/proc/", "/dev/", "/sys/", sys.prefix, sys.base_prefix, str(Path(__file__).resolve().parent.parent))
+    allowed = ("/proc/", "/dev/", "/sys/", sys.prefix, sys.base_prefix, str(Path(__file__).resolve().parents[2]))
     assert [p for p in opened if not p.startswith(allowed)] == []
 
 
