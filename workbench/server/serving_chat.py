@@ -76,7 +76,7 @@ async def forced_tool_grammar(state: ServerState, req: ChatCompletionRequest, fm
             return backend.wrapped(schema, head, tail, "tools")
 
         def make(_kind: str, _source: Any, _param: Any) -> str:
-            return tool_call_grammar(tools, name, fmt, backend.limits, build)
+            return tool_call_grammar(tools, name, build, fmt, backend.limits)
 
         return {"ebnf": await off_loop(state, make, "wrapped", None)}
     except ValueError as exc:
