@@ -7,9 +7,15 @@ Categories (each case passes or is listed as a failure with what happened):
 - traversal on /debug/traces/{id}: 404/400, never a file's contents;
 - auth (a server with --api-key): the key only in `Authorization`, never in a URL or a cookie alone;
 - broken traces: every kind of damage through every reader method, diff and export: success or one
-  TraceError line naming the file, never another exception.
+  TraceError line naming the file, never another exception;
+- hostile structured output (issue 36), against a real `workbench serve` process: the issue's six
+  requests and a few hundred neighbours (schema size, depth, fan-out, references, pattern features,
+  quantifier bounds), each a 400 naming the parameter or a correct 200 within its budget, and after
+  each an ordinary request with the fresh server's greedy text within a second; a table of case ->
+  status, time, server RSS growth, next request unaffected. `--fresh-six` also sends each of the six
+  alone to a fresh server.
 
-    python benchmarks/hardening_sweep.py [--json out.json]
+    python benchmarks/hardening_sweep.py [--json out.json] [--only structured] [--fresh-six]
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.helpers.hostile_cases import SIX, nested, pattern, props, schema, variants  # noqa: E402
 from tests.helpers.trace_damage import DAMAGES  # noqa: E402  (the one catalogue, shared with the tests)
 
 MODEL = "tiny-random"
@@ -258,10 +265,113 @@ def sweep_traces(good: Path, work: Path, res: Results) -> None:
             res["broken traces"].append((f"{kind}: workbench {argv[0]}", ok, note))
 
 
+# --- hostile structured output (issue 36) ---------------------------------------------------------
+
+
+def structured_cases() -> list[tuple[str, dict, int, str | None]]:
+    """The issue's six, the test suite's variants, and sweeps over each limit on both sides of it."""
+    cases = list(SIX) + variants()
+    for n in list(range(25, 500, 25)) + [499, 500]:
+        cases.append((f"sweep {n} properties", schema(props(n)), 200, None))
+    for n in (501, 750, 3000, 7500, 15_000, 20_000, 25_000):
+        cases.append((f"sweep {n} properties", schema(props(n)), 400, "response_format"))
+    for d in range(1, 64, 4):
+        cases.append((f"sweep nesting {d}", schema(nested(d)), 200 if 2 * d + 1 <= 64 else 400,
+                      None if 2 * d + 1 <= 64 else "response_format"))
+    for k in (1, 10, 100, 1000, 5000, 9999, 10_000, 10_001, 20_000, 65_536, 100_000, 10**6, 10**12):
+        ok = k <= 1000
+        cases.append((f"sweep pattern a{{1,{k}}}", pattern(f"^a{{1,{k}}}$"), 200 if ok else 400,
+                      None if ok else "response_format"))
+        cases.append((f"sweep regex a{{{k}}}", {"regex": f"a{{{k}}}"}, 400 if not ok else 200, None if ok else "regex"))
+        cases.append((f"sweep maxLength {k}", schema({"type": "string", "maxLength": k}), 200 if ok else 400,
+                      None if ok else "response_format"))
+    for feature in ("(?=", "(?!", "(?<=", "(?<!", "(?>"):
+        for body in ("a)b", "ab)c", "[x])y"):
+            cases.append((f"sweep regex {feature}{body}", {"regex": feature + body}, 400, "regex"))
+            cases.append((f"sweep pattern {feature}{body}", pattern(feature + body), 400, "response_format"))
+    for i in range(1, 10):
+        cases.append((f"sweep back-reference \\{i}", {"regex": "(a)" * i + f"\\{i}"}, 400, "regex"))
+    for n in (10, 100, 1000, 25_000):  # 25,000 values: over --grammar-max-nodes
+        cases.append((f"sweep enum of {n}", schema({"enum": [f"v{i}" for i in range(n)]}), 200 if n <= 1000 else 400,
+                      None if n <= 1000 else "response_format"))
+    for scheme in ("http", "https", "file", "ftp", "gopher", "data", "jar", "urn", "mailto", "ws"):
+        cases.append((f"sweep $ref {scheme}:", schema({"$ref": f"{scheme}://example.com/s.json"}), 400,
+                      "response_format"))
+    return cases
+
+
+def sweep_structured(res: Results, rows: list[tuple], fresh_six: bool) -> None:
+    from workbench.server.background import ServerProcess
+
+    ordinary = {"model": MODEL, "prompt": "hello there", "max_tokens": 8, "temperature": 0}
+    cases = structured_cases()
+    with ServerProcess(["--model", MODEL, "--log-level", "warning"], start_timeout=300) as srv, \
+            httpx.Client(base_url=srv.url, timeout=120) as http:
+        fresh_text = http.post(C, json=ordinary).json()["choices"][0]["text"]
+        http.post(C, json={**ordinary, **schema({"type": "object", "properties": {"x": {"type": "integer"}}})})
+        base_rss = _rss_mb(srv.proc.pid)
+        for name, fields, status, param in cases:
+            rss0 = _rss_mb(srv.proc.pid)
+            t0 = time.perf_counter()
+            try:
+                resp = http.post(C, json={**ordinary, **fields})
+                got, note = resp.status_code, resp.text[:100]
+                named = status != 400 or resp.json().get("error", {}).get("param") == param
+            except httpx.HTTPError as exc:
+                got, note, named = 0, type(exc).__name__, False
+            elapsed = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            nxt = http.post(C, json=ordinary)
+            unaffected = nxt.status_code == 200 and nxt.json()["choices"][0]["text"] == fresh_text \
+                and time.perf_counter() - t1 < 1.0
+            grown = _rss_mb(srv.proc.pid) - rss0
+            ok = got == status and named and unaffected
+            res["hostile structured output"].append((name, ok, f"HTTP {got} {note}"))
+            rows.append((name, got, elapsed, grown, unaffected))
+        time.sleep(3.0)
+        http.post(C, json=ordinary)
+        rows.append(("(server RSS after all, vs after warm-up)", 0, 0.0, _rss_mb(srv.proc.pid) - base_rss, True))
+    if fresh_six:
+        for name, fields, status, _ in SIX:
+            with ServerProcess(["--model", MODEL, "--log-level", "warning"], start_timeout=300) as srv, \
+                    httpx.Client(base_url=srv.url, timeout=120) as http:
+                fresh_text = http.post(C, json=ordinary).json()["choices"][0]["text"]
+                rss0 = _rss_mb(srv.proc.pid)
+                t0 = time.perf_counter()
+                resp = http.post(C, json={**ordinary, **fields})
+                elapsed = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                nxt = http.post(C, json=ordinary)
+                unaffected = nxt.json()["choices"][0]["text"] == fresh_text and time.perf_counter() - t1 < 1.0
+                rows.append((f"fresh server: {name}", resp.status_code, elapsed, _rss_mb(srv.proc.pid) - rss0,
+                             unaffected))
+                res["hostile structured output"].append((f"fresh server: {name}",
+                                                         resp.status_code == status and unaffected, resp.text[:100]))
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def print_structured(rows: list[tuple]) -> None:
+    print(f"{'case':48s} {'status':>6s} {'time s':>7s} {'RSS +MB':>8s}  next request unaffected")
+    for name, status, elapsed, grown, unaffected in rows:
+        print(f"{name[:48]:48s} {status:6d} {elapsed:7.2f} {grown:8.1f}  {'yes' if unaffected else 'NO'}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--only", choices=("structured",), default=None, help="run one category only")
+    parser.add_argument("--fresh-six", action="store_true", help="also send the issue's six to fresh servers")
     args = parser.parse_args()
+    res: Results = defaultdict(list)
+    rows: list[tuple] = []
+    sweep_structured(res, rows, args.fresh_six)
+    print_structured(rows)
+    if args.only == "structured":
+        return _report(res, args.json, None)
     from workbench.engine.engine import Engine
     from workbench.engine.sample.sampling_params import SamplingParams
     from workbench.models.loader import load_model
@@ -270,7 +380,6 @@ def main() -> int:
     from workbench.server.event_hub import EventHub
     from workbench.trace.store import TraceWriter
 
-    res: Results = defaultdict(list)
     loaded = load_model(MODEL, device="cpu")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -296,6 +405,10 @@ def main() -> int:
             engine.generate(["one", "two two", "three three three"],
                             SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True, logprobs=True))
         sweep_traces(good, root, res)
+    return _report(res, args.json, subs)
+
+
+def _report(res: Results, json_path: str | None, subs: dict | None) -> int:
     total = sum(len(v) for v in res.values())
     passed = sum(ok for v in res.values() for _, ok, _ in v)
     for category, cases in res.items():
@@ -304,10 +417,11 @@ def main() -> int:
         for name, note in bad:
             print(f"    FAILED {name}: {note}")
     print(f"{'total':28s} {passed:4d} / {total:4d} behaved")
-    print(f"16 requests x 64 tokens: {subs['without_s']:.2f} s with no debug subscriber, {subs['with_s']:.2f} s with "
-          f"{subs['subscribers']} that subscribe and never read ({subs['refused']} of them refused with 503)")
-    if args.json:
-        Path(args.json).write_text(json.dumps({k: [list(c) for c in v] for k, v in res.items()}, indent=1))
+    if subs is not None:
+        print(f"16 requests x 64 tokens: {subs['without_s']:.2f} s with no debug subscriber, {subs['with_s']:.2f} s "
+              f"with {subs['subscribers']} that subscribe and never read ({subs['refused']} of them refused with 503)")
+    if json_path:
+        Path(json_path).write_text(json.dumps({k: [list(c) for c in v] for k, v in res.items()}, indent=1))
     return 0 if passed == total else 1
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from workbench.engine.config import EngineArgs, EngineConfig
     from workbench.engine.output.output import RequestOutput, StepOutput
+    from workbench.engine.sample.grammar import GrammarBackend
     from workbench.engine.sample.sampling_params import SamplingParams
     from workbench.engine.timing import ReqTiming, StepClock
     from workbench.trace.recorder import MemorySink, Tracer
@@ -41,6 +42,9 @@ class EngineAPI(Protocol):
     vocab_size: int
     tracer: Tracer  # its trace channel: sinks can be added, stamps emitted
     finished: dict[str, RequestOutput]
+    # structured output's compile service (sample/grammar.py): `limits`, `compile`, `cached`, `check_schema`,
+    # `wrapped`, `abandon`, `executor`; every compile of a client's constraint under its time and memory budget
+    grammars: GrammarBackend
 
     # requests in, steps out
     def tokenize(self, prompt: Any) -> list[int]: ...
@@ -86,4 +90,5 @@ PUBLIC_MODULES = (
     "workbench.engine.sample.sampling_params", "workbench.engine.output.output",
     "workbench.engine.output.tool_formats", "workbench.engine.output.tool_prompt",
     "workbench.engine.speculative.config", "workbench.engine.whatif",
+    "workbench.engine.sample.grammar_limits",  # GrammarLimits and the structural checks, engine-free
 )

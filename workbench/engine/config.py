@@ -79,6 +79,7 @@ class EngineArgs:
     max_model_len: int | None = None  # a shorter context than the model's
     kernels: str = "exact"  # KERNELS: exact (transformers' numbers) or the opt-in fast modes
     kv_slot_order: str = "restart"  # sched/memory.py KV_SLOT_ORDERS
+    grammar_limits: Any = None  # structured output's limits and compile budgets (GrammarLimits); None: defaults
 
     # what a recorded EngineConfig keeps of these, and the value a trace from before a field existed ran with
     RECORDED = {"max_batch_tokens": None, "chunk_size": None, "kv_tokens": None, "max_running": None,

@@ -28,7 +28,13 @@ from workbench.engine.output.finish import FinishResult
 from workbench.engine.output.output import RequestOutput, StepOutput
 from workbench.engine.output.postprocess import OutputProcessor
 from workbench.engine.output.stage import NewTokens, OutputStage
-from workbench.engine.prompts import Prompt, as_prompt_list, tokenize_prompt
+from workbench.engine.prompts import (
+    Prompt,
+    as_prompt_list,
+    check_prompt_chars,
+    longest_token_chars,
+    tokenize_prompt,
+)
 from workbench.engine.run import fastmode, variants
 from workbench.engine.run.capture import Capturer
 from workbench.engine.run.forward_batch import ForwardBatch, ForwardMode, build_forward_batch
@@ -77,7 +83,9 @@ class Engine:
                              slot_order=a.kv_slot_order)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer, max_ctx)
-        self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.outputs.eos_token_ids)
+        # structured output: limits and compile budgets (grammar_limits.py), compiles tried in a worker first
+        self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.outputs.eos_token_ids,
+                                       a.grammar_limits)
         self.config = EngineConfig(
             model=self.loaded.spec, device=self.device, dtype=self.loaded.dtype, max_batch_tokens=a.max_batch_tokens,
             chunk_size=a.chunk_size, kv_tokens=kv_tokens, max_running=max_running, enable_mixed=a.enable_mixed,
@@ -107,6 +115,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[Req] = queue.SimpleQueue()
         self._aborts: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self._ids = itertools.count()
+        self._token_chars: int | None = None  # longest vocabulary entry, found on the first prompt
         torch.manual_seed(a.seed)
 
     def _context_and_pool(self, a: EngineArgs) -> tuple[int, int]:
@@ -140,6 +149,10 @@ class Engine:
     # --- admission ---------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt | list[int]) -> list[int]:
+        """Token ids of a prompt; a text too long to fit in the context is refused before tokenizing."""
+        if self._token_chars is None:
+            self._token_chars = longest_token_chars(self.tokenizer)
+        check_prompt_chars(prompt, self.runner.max_context_len, self._token_chars)
         return tokenize_prompt(self.tokenizer, self.vocab_size, prompt)
 
     def add_request(self, prompt: Prompt | list[int], params: SamplingParams | None = None,
@@ -147,7 +160,7 @@ class Engine:
         """Validate and queue a request (n > 1 queues n; `capture`: capture_spec.py); returns its ids. Thread-safe."""
         arrival = time.perf_counter()
         params = params or SamplingParams()
-        params.validate(self.vocab_size)
+        params.validate(self.vocab_size, self.grammars.limits, parse_grammar=False)  # compile() below parses
         prompt_ids = self.tokenize(prompt)
         self.scheduler.check_fits(len(prompt_ids), params.max_new_tokens)
         if params.grammar is not None:
@@ -371,6 +384,7 @@ class Engine:
         return variants.trace_record(draft if model != "target" and draft is not None else self.runner, layer_limit)
 
     def close(self) -> None:
+        self.grammars.close()  # its worker processes
         self.tracer.close()
 
     def __enter__(self) -> Engine:

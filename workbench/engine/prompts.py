@@ -32,6 +32,31 @@ def tokenize_prompt(tokenizer: Any, vocab_size: int, prompt: Prompt | list[int])
     raise ValueError("prompt must be a non-empty string, a list of chat messages or a list of token ids")
 
 
+def longest_token_chars(tokenizer: Any) -> int:
+    """An upper bound on the characters one token decodes to: the longest vocabulary entry (byte-level
+    and SentencePiece entries spell each character with at least one symbol; byte tokens such as
+    `<0xE2>` only make the bound looser)."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max((len(k) for k in vocab), default=64)
+
+
+def check_prompt_chars(prompt: Any, max_context_len: int, token_chars: int) -> None:
+    """Refuse, before tokenizing it (or rendering its chat), a text prompt too long to fit in the context
+    whatever its tokens: more than `max_context_len` x `2 * token_chars` characters (twice the bound,
+    for tokenizers whose normalizer drops characters). Tokenizing a prompt is then bounded in time."""
+    limit = max_context_len * 2 * token_chars
+    if isinstance(prompt, str):
+        size, name = len(prompt), "prompt"
+    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        size, name = sum(len(m["content"]) for m in prompt if isinstance(m.get("content"), str)), "messages"
+    else:
+        return
+    if size > limit:
+        raise ValueError(f"{name} has {size} characters, more than can fit in the model's context length of "
+                         f"{max_context_len} tokens (at most {limit} characters: no token is longer than "
+                         f"{token_chars})")
+
+
 def as_prompt_list(prompts: Any) -> list[Any]:
     """`generate()`'s argument as a list: one string or one chat is one prompt."""
     if isinstance(prompts, str):

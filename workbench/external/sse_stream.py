@@ -24,6 +24,11 @@ from workbench.external.records import ProbeRequest
 
 # Fields vLLM accepts beyond OpenAI's; a server that rejects them gets the request again without.
 VLLM_EXTRAS = ("return_tokens_as_token_ids", "return_token_ids", "request_id")
+# What one upstream response may send before the probe gives up on it (issue 36): a server that
+# streams forever, sends one endless line, or answers an error with a huge body
+MAX_EVENT_BYTES = 1 << 20  # one SSE event's data
+MAX_STREAM_BYTES = 64 << 20  # one response's events together
+MAX_ERROR_BYTES = 64 << 10  # an error body kept for the message
 
 
 class StreamError(RuntimeError):
@@ -113,7 +118,18 @@ def parse_chunk(obj: Any, chat: bool) -> ChunkTokens:
 
 
 def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    """A reported logprob; None ("not recorded") for anything but a finite number (a NaN or an infinity
+    that a server's JSON carried never reaches a trace or a comparison)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _chunk_limit(body: dict[str, Any]) -> int:
+    """Events one response may carry: a few per token it may generate, plus role and usage chunks."""
+    tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 4096
+    n = body.get("n") or 1
+    return 4 * int(tokens) * int(n) + 64 if isinstance(tokens, int) and isinstance(n, int) else 1 << 20
 
 
 def error_message(response: httpx.Response, text: str) -> str:
@@ -126,6 +142,30 @@ def error_message(response: httpx.Response, text: str) -> str:
     except ValueError:
         pass
     return f"HTTP {response.status_code}: {str(message)[:300]}"
+
+
+async def _bounded_events(response: httpx.Response) -> Any:
+    """httpx-sse's events, read with a bound on one line (httpx-sse keeps a line until its newline
+    arrives, so one endless line would take all memory); invalid UTF-8 arrives as U+FFFD."""
+    from httpx_sse import SSEError
+    from httpx_sse._decoders import SSEDecoder
+
+    ctype = response.headers.get("content-type", "").partition(";")[0]
+    if "text/event-stream" not in ctype:
+        raise SSEError(f"Expected response header Content-Type to contain 'text/event-stream', got {ctype!r}")
+    decoder, pending = SSEDecoder(), ""
+    async for text in response.aiter_text():
+        *lines, pending = (pending + text).split("\n")
+        if len(pending) > MAX_EVENT_BYTES:
+            raise StreamError(f"a stream line of more than {MAX_EVENT_BYTES} characters (no newline), over the limit")
+        for line in lines:
+            event = decoder.decode(line.rstrip("\r"))
+            if event is not None:
+                yield event
+    for line in (pending.rstrip("\r"), ""):
+        event = decoder.decode(line)
+        if event is not None:
+            yield event
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
@@ -144,12 +184,26 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, An
         async with aconnect_sse(client, "POST", url, json=body, headers=headers) as source:
             response = source.response
             if response.status_code != 200:
-                text = (await response.aread()).decode("utf-8", "replace")
+                raw = bytearray()
+                async for part in response.aiter_bytes():
+                    raw += part[:MAX_ERROR_BYTES - len(raw)]
+                    if len(raw) >= MAX_ERROR_BYTES:
+                        break
+                text = raw.decode("utf-8", "replace")
                 raise StreamError(error_message(response, text), response.status_code, text)
             on_open(response)
             opened = True
-            async for sse in source.aiter_sse():
+            total, limit = 0, _chunk_limit(body)
+            async for sse in _bounded_events(response):
                 now = time.perf_counter()
+                total += len(sse.data)
+                if len(sse.data) > MAX_EVENT_BYTES:
+                    raise StreamError(f"a stream event of {len(sse.data)} bytes is over the limit of "
+                                      f"{MAX_EVENT_BYTES} after {chunks} chunks")
+                if total > MAX_STREAM_BYTES or chunks >= limit:
+                    raise StreamError(f"the stream went on past {chunks} chunks and {total} bytes without "
+                                      f"finishing (limits: {limit} chunks for this request's max_tokens, "
+                                      f"{MAX_STREAM_BYTES} bytes)")
                 if sse.data.strip() == "[DONE]":
                     finished = True
                     break

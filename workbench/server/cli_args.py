@@ -68,6 +68,47 @@ def add_hardening_args(parser: argparse.ArgumentParser) -> None:
                         help="/debug/events streams at once (each costs the server its sends; 503 past it)")
     parser.add_argument("--max-request-headers", type=int, default=100,
                         help="request headers one request may carry (uvicorn's h11 limit is per line)")
+    add_grammar_args(parser)
+
+
+def add_grammar_args(parser: argparse.ArgumentParser) -> None:
+    """Limits and budgets of structured output (issue 36; engine/sample/grammar_limits.py, docs/limits.md)."""
+    from workbench.engine.sample.grammar_limits import GrammarLimits
+
+    d = GrammarLimits()
+    g = parser.add_argument_group("structured output limits (response_format, regex, ebnf, forced tool calls)")
+    g.add_argument("--grammar-max-bytes", type=int, default=d.max_bytes, metavar="CHARS",
+                   help=f"size of one constraint's source, a schema as JSON (default: {d.max_bytes})")
+    g.add_argument("--grammar-max-depth", type=int, default=d.max_depth, metavar="N",
+                   help=f"nested JSON objects and arrays in a schema (default: {d.max_depth})")
+    g.add_argument("--grammar-max-nodes", type=int, default=d.max_nodes, metavar="N",
+                   help=f"JSON values in a schema (default: {d.max_nodes})")
+    g.add_argument("--grammar-max-properties", type=int, default=d.max_properties, metavar="N",
+                   help=f"object properties in a schema, all objects together (default: {d.max_properties})")
+    g.add_argument("--grammar-max-repeat", type=int, default=d.max_repeat, metavar="N",
+                   help=f"largest {{m,n}} bound in a pattern, and minLength/maxLength/minItems/maxItems "
+                        f"(default: {d.max_repeat})")
+    g.add_argument("--grammar-compile-timeout", type=float, default=d.compile_timeout, metavar="SECONDS",
+                   help=f"time one compile may take in the grammar worker process (default: {d.compile_timeout:g})")
+    g.add_argument("--grammar-compile-memory-mb", type=int, default=d.compile_memory_mb, metavar="MB",
+                   help=f"memory one compile may add in the worker (default: {d.compile_memory_mb})")
+    g.add_argument("--grammar-workers", type=int, default=d.workers, metavar="N",
+                   help=f"grammar worker processes compiling at once (default: {d.workers})")
+    g.add_argument("--grammar-cache-mb", type=int, default=d.cache_mb, metavar="MB",
+                   help=f"compiled grammars kept in the server (default: {d.cache_mb})")
+
+
+def grammar_limits(args: argparse.Namespace) -> Any:
+    """The GrammarLimits the flags ask for; ValueError naming the flag, before any load."""
+    from workbench.engine.sample.grammar_limits import FLAGS, GrammarLimits
+
+    d = GrammarLimits()
+    values = {name: getattr(args, "grammar_" + name, getattr(d, name)) for name in FLAGS}
+    try:
+        return GrammarLimits(**values)
+    except ValueError as exc:
+        name = str(exc).split(" ", 1)[0]
+        raise ValueError(f"{FLAGS.get(name, name)}: {exc}") from None
 
 
 # --- engine flags, named as vLLM names them (SGLang's names as aliases where they differ) ------------
@@ -163,7 +204,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw = {"max_running": get("max_running", 64), "kv_tokens": get("kv_tokens", None),
           "max_batch_tokens": get("max_batch_tokens", 2048), "chunk_size": get("chunk_size", 512),
           "prefix_cache": get("prefix_cache", False), "spec": spec, "dtype": DTYPES[get("dtype", "auto")],
-          "seed": get("seed", 0), "kernels": kernels}
+          "seed": get("seed", 0), "kernels": kernels, "grammar_limits": grammar_limits(args)}
     if get("max_model_len", None) is not None:
         kw["max_model_len"] = args.max_model_len
     return kw

@@ -10,6 +10,7 @@ shapes (serving_chat.py, serving_completion.py) or the routes (routes_openai.py)
 
 from __future__ import annotations
 
+import asyncio
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from workbench.server.event_hub import EventHub
 from workbench.server.logprobs import TokenBytes
 from workbench.server.metrics import Metrics
 from workbench.server.protocol import PromptTokensDetails, Usage
+from workbench.server.sse import until_disconnect
 from workbench.server.stream_latency import attach
 
 M = TypeVar("M", bound=BaseModel)
@@ -137,6 +139,9 @@ def api_error_from_value_error(exc: ValueError, prompt_param: str) -> APIError:
 def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
     if bias is None:
         return None
+    if len(bias) > vocab_size:  # before the loop: a 4 MB body holds ~300,000 entries
+        raise bad_request(f"logit_bias has {len(bias)} entries, more than the vocabulary's {vocab_size} tokens",
+                          "logit_bias")
     out = {}
     for key, value in bias.items():
         if not re.fullmatch(r"-?\d{1,12}", key):
@@ -159,9 +164,7 @@ def grammar_fields(req: Any, forced: dict[str, Any] | None = None) -> dict[str, 
     if fmt is not None and fmt.type == "json_object":
         out["json_schema"] = {"type": "object"}
     elif fmt is not None and fmt.type == "json_schema":
-        schema = fmt.json_schema.schema_
-        _check_json_schema(schema)
-        out["json_schema"] = schema
+        out["json_schema"] = fmt.json_schema.schema_  # checked (limits, jsonschema, compile) by prepare_grammar
     if req.regex is not None:
         out["regex"] = req.regex
     if req.ebnf is not None:
@@ -176,20 +179,11 @@ def grammar_fields(req: Any, forced: dict[str, Any] | None = None) -> dict[str, 
     return out
 
 
-def _check_json_schema(schema: dict[str, Any]) -> None:
-    import jsonschema
-
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
-        raise bad_request(f"response_format.json_schema.schema is not a valid JSON schema at {where}: "
-                          f"{exc.message[:200]}", "response_format") from None
-
-
 def build_params(req: Any, *, max_tokens: int, logprobs: bool, top_logprobs: int, vocab_size: int,
-                 prompt_param: str, grammar: dict[str, Any] | None = None) -> SamplingParams:
-    """SamplingParams from the fields both endpoints share; ValueError -> 400."""
+                 prompt_param: str, grammar: dict[str, Any] | None = None,
+                 grammar_limits: Any = None) -> SamplingParams:
+    """SamplingParams from the fields both endpoints share; ValueError -> 400. A constraint is checked
+    against `grammar_limits` here (cheap, structural); `prepare_grammar` compiles it."""
     try:
         params = SamplingParams(
             max_new_tokens=max_tokens, min_new_tokens=req.min_tokens,
@@ -204,10 +198,42 @@ def build_params(req: Any, *, max_tokens: int, logprobs: bool, top_logprobs: int
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             logprobs=logprobs, top_logprobs=top_logprobs, **grammar_fields(req, grammar))
-        params.validate(vocab_size)
+        params.validate(vocab_size, grammar_limits, parse_grammar=False)  # parsed in the budgeted compile
     except ValueError as exc:
         raise api_error_from_value_error(exc, prompt_param) from None
     return params
+
+
+async def off_loop(state: ServerState, call: Any, kind: str, source: Any, param: str | None = None) -> Any:
+    """`call(kind, source, param)` (a GrammarBackend method that may block for up to the compile budget)
+    on a thread, never on the event loop, the admission thread or the engine's; a handler cancelled
+    meanwhile (its client left) abandons it, which stops the worker's compile if nobody else waits."""
+    loop = asyncio.get_running_loop()
+    try:
+        return await loop.run_in_executor(state.engine.grammars.executor, call, kind, source, param)
+    except asyncio.CancelledError:
+        state.engine.grammars.abandon(kind, source)
+        raise
+
+
+async def prepare_grammar(state: ServerState, request: Request, params: SamplingParams, prompt_param: str,
+                          param: str | None = None) -> None:
+    """Compile the request's constraint under its time and memory budget before it is submitted
+    (grammar_worker.py), so admission finds it compiled; 400 naming `param` (default: the
+    constraint's own parameter) and the limit when it is invalid or over budget. A client that
+    disconnects meanwhile abandons the compile (499)."""
+    constraint = params.grammar
+    if constraint is None:
+        return
+    backend = state.engine.grammars
+    try:
+        if backend.cached(*constraint):
+            return
+        done, _ = await until_disconnect(off_loop(state, backend.compile, *constraint, param), request.receive)
+    except ValueError as exc:
+        raise api_error_from_value_error(exc, prompt_param) from None
+    if not done:
+        raise APIError(499, "the client disconnected while its grammar compiled", code="client_disconnected")
 
 
 async def submit(state: ServerState, prompts: list[Any], params: SamplingParams, req_id: str,

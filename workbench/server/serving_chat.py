@@ -45,6 +45,8 @@ from workbench.server.serving import (
     check_model,
     finish_reason,
     new_id,
+    off_loop,
+    prepare_grammar,
     read_request,
     stop_reason,
     submit,
@@ -59,7 +61,8 @@ def tool_format(state: ServerState) -> str:
     return state.extra.get("tool_call_parser", "hermes")
 
 
-def forced_tool_grammar(req: ChatCompletionRequest, fmt: str = "hermes") -> dict[str, Any] | None:
+async def forced_tool_grammar(state: ServerState, req: ChatCompletionRequest, fmt: str = "hermes"
+                              ) -> dict[str, Any] | None:
     """An `ebnf` constraint making the answer one tool call, for tool_choice "required" or a named one."""
     choice = req.tool_choice
     if choice in (None, "auto", "none"):
@@ -67,26 +70,37 @@ def forced_tool_grammar(req: ChatCompletionRequest, fmt: str = "hermes") -> dict
     name = choice["function"]["name"] if isinstance(choice, dict) else None
     tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
     try:
-        return {"ebnf": tool_call_grammar(tools, name, fmt)}
+        backend = state.engine.grammars
+
+        def build(schema: dict[str, Any], head: str, tail: str) -> str:  # on the grammar threads, in the worker
+            return backend.wrapped(schema, head, tail, "tools")
+
+        def make(_kind: str, _source: Any, _param: Any) -> str:
+            return tool_call_grammar(tools, name, build, fmt, backend.limits)
+
+        return {"ebnf": await off_loop(state, make, "wrapped", None)}
     except ValueError as exc:
         raise bad_request(str(exc), "tool_choice" if "tool_choice" in str(exc) else "tools") from None
 
 
-def check_tool_schemas(req: ChatCompletionRequest) -> None:
-    """400 naming the tool when a function's `parameters` is not a valid JSON schema, whatever the
-    tool_choice (with "auto" the model is shown it; a broken one must not pass silently)."""
-    import jsonschema
+async def check_tool_schemas(state: ServerState, req: ChatCompletionRequest) -> None:
+    """400 naming the tool when a function's `parameters` is over the grammar limits or not a valid
+    JSON schema, whatever the tool_choice (with "auto" the model is shown it; a broken one must not
+    pass silently). jsonschema's check runs in the grammar worker, under the compile budget."""
+    from workbench.engine.sample.grammar_limits import check_limits
 
+    backend = state.engine.grammars
     for i, tool in enumerate(req.tools or ()):
         params = tool.model_dump(exclude_none=True)["function"].get("parameters")
         if params is None:
             continue
+        where = f"tools[{i}].function.parameters"
         try:
-            jsonschema.validators.validator_for(params).check_schema(params)
-        except jsonschema.SchemaError as exc:
-            where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
-            raise bad_request(f"tools[{i}].function.parameters is not a valid JSON schema at {where}: "
-                              f"{exc.message[:200]}", "tools") from None
+            check_limits("json_schema", params, backend.limits, where)
+            await off_loop(state, lambda _kind, schema, name: backend.check_schema(schema, name), "schema", params,
+                           where)
+        except ValueError as exc:
+            raise bad_request(str(exc), "tools") from None
 
 
 def chat_messages(req: ChatCompletionRequest, fmt: str = "hermes") -> list[dict[str, Any]]:
@@ -113,11 +127,14 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     max_tokens = req.max_completion_tokens or req.max_tokens or state.default_max_tokens
     if req.max_completion_tokens or req.max_tokens:  # the server's own default is clamped by the engine
         check_max_tokens(state, max_tokens)
-    check_tool_schemas(req)
+    await check_tool_schemas(state, req)
+    limits = state.engine.grammars.limits
+    forced = await forced_tool_grammar(state, req, tool_format(state))
     params = build_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                           top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
                           vocab_size=state.engine.vocab_size, prompt_param="messages",
-                          grammar=forced_tool_grammar(req, tool_format(state)))
+                          grammar=forced, grammar_limits=limits)
+    await prepare_grammar(state, request, params, "messages", "tools" if forced else None)
     req_id = new_id("chatcmpl")
     handle = await submit(state, [messages], params, req_id, "messages", stream=bool(req.stream))
     use_tools = bool(req.tools) and req.tool_choice != "none"

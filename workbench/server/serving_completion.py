@@ -29,6 +29,7 @@ from workbench.server.serving import (
     check_model,
     finish_reason,
     new_id,
+    prepare_grammar,
     read_request,
     stop_reason,
     submit,
@@ -59,7 +60,9 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     top = req.logprobs or 0
     check_max_tokens(state, req.max_tokens or DEFAULT_MAX_TOKENS)
     params = build_params(req, max_tokens=req.max_tokens or DEFAULT_MAX_TOKENS, logprobs=req.logprobs is not None,
-                          top_logprobs=top, vocab_size=state.engine.vocab_size, prompt_param="prompt")
+                          top_logprobs=top, vocab_size=state.engine.vocab_size, prompt_param="prompt",
+                          grammar_limits=state.engine.grammars.limits)
+    await prepare_grammar(state, request, params, "prompt")
     req_id = new_id("cmpl")
     handle = await submit(state, list(req.prompt), params, req_id, "prompt", stream=bool(req.stream))
     echoes = [_prompt_text(state, p) if req.echo else "" for p in req.prompt for _ in range(req.n)]

@@ -2,14 +2,14 @@
 
 Owns: building the EBNF grammar that makes the model's whole answer one tool call in SmolLM2's
 format, `<tool_call>\\n{"name": <one of the tools>, "arguments": <that tool's parameters>}\\n</tool_call>`
-(the JSON part comes from each tool's JSON schema through xgrammar, joined with the tags by
+(the JSON part comes from each tool's JSON schema through xgrammar, in the engine's grammar worker, joined with the tags by
 `Grammar.concat`). The engine applies it as an `ebnf` constraint. Does not own: parsing the call
 back out (engine/output/tool_parser.py) or the tool descriptions in the prompt (tool_prompt.inject_tools).
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
@@ -35,23 +35,21 @@ def call_schema(tools: list[dict[str, Any]], name: str | None, args_key: str = "
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def tool_call_grammar(tools: list[dict[str, Any]], name: str | None, fmt: str = "hermes") -> str:
-    """EBNF for exactly one tool call in format `fmt`; ValueError if the schema cannot be compiled."""
-    import xgrammar as xgr
+def tool_call_grammar(tools: list[dict[str, Any]], name: str | None, build: Callable[[dict[str, Any], str, str], str],
+                      fmt: str = "hermes", limits: Any = None) -> str:
+    """EBNF for exactly one tool call in format `fmt`; ValueError if the schema is over `limits` (a
+    GrammarLimits, its defaults when None) or cannot be parsed. `build(schema, head_regex, tail_regex)`
+    makes the EBNF: the engine's `grammars.wrapped`, in the worker process under the compile budget
+    (xgrammar's parse of a schema is not bounded by its size)."""
+    from workbench.engine.sample.grammar_limits import GrammarLimits, check_limits
 
     if fmt not in WRAPS:
         raise ValueError(f"tool_choice: forcing a call is not supported with --tool-call-parser {fmt} "
                          f"(supported: {', '.join(WRAPS)})")
     head, tail, args_key = WRAPS[fmt]
-    schema = json.dumps(call_schema(tools, name, args_key))
-    try:
-        parts = [xgr.Grammar.from_json_schema(schema, any_whitespace=False)]
-        parts = [xgr.Grammar.from_regex(_escape(head))] * bool(head) + parts + [xgr.Grammar.from_regex(_escape(tail))] * bool(tail)
-        grammar = xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0]
-    except Exception as exc:  # xgrammar raises from C++ with its own message
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"tools: a function's parameters are not a usable JSON schema ({first[:200]})") from None
-    return str(grammar)
+    call = call_schema(tools, name, args_key)
+    check_limits("json_schema", call, limits or GrammarLimits(), "tools")
+    return build(call, _escape(head), _escape(tail))
 
 
 def _escape(text: str) -> str:

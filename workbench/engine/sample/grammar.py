@@ -1,8 +1,10 @@
 """Structured output with xgrammar: JSON schema, regex and EBNF constraints.
 
-Owns: checking a constraint's syntax at validation time (`check_grammar`, no tokenizer needed),
-compiling it once per (kind, source) against the model's tokenizer (`GrammarBackend`, built lazily
-by the engine on the first constrained request), the per-request matcher (`GrammarState`, stored
+Owns: checking a constraint's structural limits and syntax at validation time (`check_grammar`,
+no tokenizer needed; grammar_limits.py), compiling it once per (kind, source) against the model's
+tokenizer (`GrammarBackend`, built lazily by the engine on the first constrained request): first in
+a worker process under the time and memory budget (grammar_worker.py), then, once that worker said
+it fits, in this process, kept in a cache bounded in bytes (least recently used dropped), the per-request matcher (`GrammarState`, stored
 in `Req.grammar`), the per-batch token bitmask (`grammar_bitmask`, filled and applied on the CPU)
 and advancing the matcher after every appended token (`accept_tokens`). Does not own: where the
 mask sits among the sampling stages (sampler.py) or finishing the request (finish.py: a matcher
@@ -15,14 +17,28 @@ given free whitespace tend to emit it until `max_new_tokens`.
 from __future__ import annotations
 
 import json
-import re
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from workbench.engine.sample.grammar_limits import GrammarLimits, check_limits
+from workbench.engine.sample.grammar_worker import GrammarWorkers, clean_error, grammar_key
+
 KINDS = ("json_schema", "regex", "ebnf")
-_LOG_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
+
+
+def _lower_priority() -> None:
+    """This thread yields the CPU to the engine's: a compile waits a little, a stream does not (Linux
+    gives each thread its own nice value)."""
+    import os
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 def grammar_source(kind: str, source: Any) -> str:
@@ -59,17 +75,25 @@ def _cache_key(schema_json: str) -> str:
     return json.dumps(canon(json.loads(schema_json)))
 
 
-def _clean(exc: Exception) -> str:
-    """xgrammar's C++ message without its timestamp, source path and assertion text."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return _LOG_PREFIX.sub("", first)
+_clean = clean_error
 
 
-def check_grammar(kind: str, source: Any) -> None:
-    """Parse the constraint (no tokenizer needed); ValueError naming the parameter if it is invalid."""
+def check_grammar(kind: str, source: Any, limits: GrammarLimits | None = None, parse: bool = True) -> None:
+    """Check the structural limits, then (with `parse`) parse the constraint (no tokenizer needed);
+    ValueError naming the parameter if it is over a limit or invalid.
+
+    Parsing is not bounded by the structural limits: xgrammar turns a JSON schema's string `pattern`
+    into grammar rules in time that grows with the square of its quantifier bounds (`a{1,5000}`: 3.8 s
+    on this CPU). Callers that must not block (the server, `Engine.add_request`) pass `parse=False`
+    and leave parsing to the budgeted compile (GrammarBackend.compile, in the worker process)."""
+    if kind not in KINDS:
+        raise ValueError(f"grammar kind must be one of {KINDS}, got {kind!r}")
+    check_limits(kind, source, limits or GrammarLimits())
+    text = grammar_source(kind, source)
+    if not parse:
+        return
     import xgrammar as xgr
 
-    text = grammar_source(kind, source)
     try:
         if kind == "json_schema":
             xgr.Grammar.from_json_schema(text, any_whitespace=False)
@@ -82,40 +106,127 @@ def check_grammar(kind: str, source: Any) -> None:
 
 
 class GrammarBackend:
-    """Compiles constraints for one tokenizer; compiled grammars are cached by (kind, source)."""
+    """Compiles constraints for one tokenizer under `limits`; compiled grammars are cached by (kind, source)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+                 limits: GrammarLimits | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = [int(t) for t in stop_token_ids]
+        self.limits = limits or GrammarLimits()
         self._compiler: Any = None
-        self._cache: dict[tuple[str, str], Any] = {}
+        self._info: Any = None
+        self._lock = threading.Lock()  # the cache
+        self._build_lock = threading.Lock()  # the compiler, built once
+        self._cache: OrderedDict[str, Any] = OrderedDict()  # key -> CompiledGrammar, least recent first
+        self._cache_bytes = 0
+        self.workers = GrammarWorkers(self._tokenizer_info_json, self.limits)
+        self._executor: Any = None
+
+    @property
+    def executor(self) -> Any:
+        """Threads for callers that must not block on a compile (the server's handlers): they mostly
+        wait on a worker process, so there are many; never the event loop's default executor."""
+        with self._lock:
+            if self._executor is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="workbench-grammar",
+                                                    initializer=_lower_priority)
+            return self._executor
 
     def _get_compiler(self) -> Any:
-        if self._compiler is None:  # building TokenizerInfo walks the vocabulary: ~0.5-2 s, once
-            import xgrammar as xgr
+        with self._build_lock:
+            if self._compiler is None:  # building TokenizerInfo walks the vocabulary: ~0.5-2 s, once
+                import xgrammar as xgr
 
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_token_ids or None)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
-        return self._compiler
+                self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                                stop_token_ids=self.stop_token_ids or None)
+                # no cache of xgrammar's own: ours below is bounded in bytes
+                self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)  # a core left to the engine
+            return self._compiler
 
-    def compile(self, kind: str, source: Any) -> Any:
+    def _tokenizer_info_json(self) -> str:
+        self._get_compiler()
+        return self._info.serialize_json()
+
+    def key(self, kind: str, source: Any) -> tuple[str, str]:
+        """(source text, cache key) after the structural limits; ValueError when over one or invalid JSON."""
+        check_limits(kind, source, self.limits)
         text = grammar_source(kind, source)
-        key = (kind, _cache_key(text) if kind == "json_schema" else text)
-        if key not in self._cache:
-            comp = self._get_compiler()
-            try:
-                if kind == "json_schema":
-                    compiled = comp.compile_json_schema(text, any_whitespace=False)
-                elif kind == "regex":
-                    compiled = comp.compile_regex(text)
-                else:
-                    compiled = comp.compile_grammar(text)
-            except Exception as exc:
-                raise ValueError(f"{kind} is invalid: {_clean(exc)}") from None
+        return text, grammar_key(kind, _cache_key(text) if kind == "json_schema" else text)
+
+    def cached(self, kind: str, source: Any) -> bool:
+        _, key = self.key(kind, source)
+        with self._lock:
+            return key in self._cache
+
+    def compile(self, kind: str, source: Any, param: str | None = None) -> Any:
+        """The compiled grammar (cached); ValueError naming `param` (default: `kind`) when it is invalid
+        or its compile is over the time or memory budget. Blocks for up to the budget: never call it
+        from the engine's stepping thread with a constraint not compiled before."""
+        text, key = self.key(kind, source)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        verdict = self.workers.verdict(kind, text, key, param or kind)
+        if not verdict.ok:
+            raise ValueError(verdict.message)
+        comp = self._get_compiler()
+        try:
+            if kind == "json_schema":
+                compiled = comp.compile_json_schema(text, any_whitespace=False)
+            elif kind == "regex":
+                compiled = comp.compile_regex(text)
+            else:
+                compiled = comp.compile_grammar(text)
+        except Exception as exc:
+            raise ValueError(f"{param or kind} is invalid: {_clean(exc)}") from None
+        self._keep(key, compiled)
+        return compiled
+
+    def check_schema(self, schema: Any, param: str) -> None:
+        """jsonschema's check of a schema (a tool's parameters) in a worker, under the same budget."""
+        text, _ = self.key("json_schema", schema)
+        verdict = self.workers.verdict("schema", text, grammar_key("schema", _cache_key(text)), param)
+        if not verdict.ok:
+            raise ValueError(verdict.message)
+
+    def wrapped(self, schema: Any, head_regex: str, tail_regex: str, param: str) -> str:
+        """The EBNF of `schema`'s output between two regexes (a forced tool call), built in a worker under
+        the time and memory budget: xgrammar's schema parse is not bounded by the structural limits."""
+        text, key = self.key("json_schema", schema)
+        verdict = self.workers.verdict("wrapped", text, grammar_key("wrapped", f"{head_regex}\0{tail_regex}\0{key}"),
+                                       param, {"head": head_regex, "tail": tail_regex})
+        if not verdict.ok or verdict.result is None:
+            raise ValueError(verdict.message or f"{param}: no grammar was built")
+        return verdict.result
+
+    def abandon(self, kind: str, source: Any) -> None:
+        """The caller of `compile` gave up (its client left): the worker's compile stops if nobody else waits."""
+        try:
+            text, key = self.key("json_schema" if kind == "schema" else kind, source)
+        except ValueError:
+            return
+        self.workers.abandon(grammar_key("schema", _cache_key(text)) if kind == "schema" else key)
+
+    def _keep(self, key: str, compiled: Any) -> None:
+        size = int(getattr(compiled, "memory_size_bytes", 0))
+        with self._lock:
+            if key in self._cache:
+                return
             self._cache[key] = compiled
-        return self._cache[key]
+            self._cache_bytes += size
+            budget = self.limits.cache_mb << 20
+            while self._cache_bytes > budget and len(self._cache) > 1:
+                _, old = self._cache.popitem(last=False)
+                self._cache_bytes -= int(getattr(old, "memory_size_bytes", 0))
+
+    def close(self) -> None:
+        self.workers.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     def new_state(self, params: Any) -> GrammarState | None:
         """A fresh matcher for a request's constraint (None when it has none)."""

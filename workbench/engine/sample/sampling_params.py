@@ -114,13 +114,16 @@ class SamplingParams:
             d["logit_bias"] = {int(k): float(v) for k, v in d["logit_bias"].items()}
         return cls(**d)
 
-    def validate(self, vocab_size: int) -> None:
-        """Raise ValueError naming the parameter, its value and the allowed range."""
+    def validate(self, vocab_size: int, grammar_limits: Any = None, parse_grammar: bool = True) -> None:
+        """Raise ValueError naming the parameter, its value and the allowed range; a structured-output
+        constraint is checked against `grammar_limits` (a `GrammarLimits`; its defaults when None) and,
+        with `parse_grammar`, parsed (grammar.check_grammar: unbounded in time; the server and the
+        engine leave it to the budgeted compile)."""
         self.check_values()
         _check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
         _check_token_ids("token_ids_logprob", self.token_ids_logprob, vocab_size, cap=MAX_TOKEN_IDS_LOGPROB)
         self._validate_logit_bias(vocab_size)
-        self._validate_grammar()
+        self._validate_grammar(grammar_limits, parse_grammar)
 
     def check_values(self) -> None:
         """Every check that needs neither the vocabulary nor the grammar compiler (run at construction)."""
@@ -176,14 +179,14 @@ class SamplingParams:
         for tid, bias in self.logit_bias.items():
             _check_number(f"logit_bias[{tid}]", bias, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
 
-    def _validate_grammar(self) -> None:
+    def _validate_grammar(self, limits: Any = None, parse: bool = True) -> None:
         given = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(f"json_schema, regex and ebnf are mutually exclusive; got {' and '.join(given)}")
         if given:
             from workbench.engine.sample.grammar import check_grammar
 
-            check_grammar(given[0], getattr(self, given[0]))
+            check_grammar(given[0], getattr(self, given[0]), limits, parse)
 
 
 def _clamp_bias(value: Any) -> Any:
