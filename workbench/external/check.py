@@ -60,7 +60,7 @@ def check_trace(path: str | Path, reference: str = "smollm2", *, tolerance: floa
     with open_trace(path) as trace:
         source = str(trace.meta.get("source") or "engine")
         probed_with = (trace.meta.get("reference") or {}).get("tokenizer") if source == "external" else None
-        todo = _recorded(trace)
+        todo = recorded_scored(trace)
     warnings = []
     if isinstance(probed_with, str) and probed_with and probed_with != reference:
         warnings.append(f"the probe read prompts and recovered token ids with the tokenizer of {probed_with!r}, "
@@ -85,7 +85,7 @@ def check_trace(path: str | Path, reference: str = "smollm2", *, tolerance: floa
     return report
 
 
-def _recorded(trace: Any) -> list[Scored]:
+def recorded_scored(trace: Any) -> list[Scored]:
     """Each request's prompt ids and tokens (latest per position), in arrival order."""
     tokens: dict[str, dict[int, TokenChosen]] = {}
     for event in trace.events(kind="token"):
