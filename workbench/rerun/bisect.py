@@ -129,9 +129,9 @@ def _finite(x: float) -> float | None:
 
 
 def _pick(logprobs: torch.Tensor, text: Any) -> Pick:
-    top = logprobs.topk(2)
-    token = int(top.indices[0])
-    return Pick(token, text(token), float(top.values[0]), float(top.values[0] - top.values[1]))
+    top = logprobs.topk(2).values
+    token = int(logprobs.argmax())  # the first of tied maxima, as the engine's greedy pick
+    return Pick(token, text(token), float(top[0]), float(top[0] - top[1]))
 
 
 def _dist(a: torch.Tensor, b: torch.Tensor, row: int) -> float:

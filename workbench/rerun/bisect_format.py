@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workbench.rerun.layer_walk import BLOCK_LABEL
+from workbench.trace.bisect_store import BLOCK_LABEL
 
 
 def _num(x: Any) -> str:

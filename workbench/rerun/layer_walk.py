@@ -22,10 +22,8 @@ from typing import Any
 
 import torch
 
-# the sub-blocks of a Llama-layout decoder layer, in the order the layer runs them
-SUB_BLOCKS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-BLOCK_LABEL = {"input_layernorm": "norm (before attention)", "self_attn": "attention",
-               "post_attention_layernorm": "norm (before MLP)", "mlp": "MLP", "layer": "whole layer"}
+from workbench.trace.bisect_store import SUB_BLOCKS
+
 CANDIDATES = ("float32", "bfloat16", "float16", "fast", "fast-int8")
 # machine epsilon (one ulp at 1.0) of the dtype each numerics rounds its activations to
 EPS = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
@@ -225,8 +223,9 @@ def walk(num: Numerics, ids: list[int], rows: list[int]) -> Walk:
             calls.append(kept)
             x = out
             residual.append(x[0].float())
-        h = inner.norm(x[:, rows])
-        logits = num.model.lm_head(h)[0].float()  # [rows, vocab]
+        # one row at a time: a fast-mode GEMM's rounding depends on how many rows it multiplies, and a
+        # row's pick must not depend on which other rows were asked for
+        logits = torch.cat([num.model.lm_head(inner.norm(x[:, r:r + 1]))[0].float() for r in rows])  # [rows, vocab]
     cap = getattr(num.model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap

@@ -27,6 +27,10 @@ from typing import Any
 from workbench.trace.format import file_problem, json_dumps
 
 TABLE = "bisect"
+# the sub-blocks of a Llama-layout decoder layer, in the order the layer runs them, and their names
+SUB_BLOCKS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+BLOCK_LABEL = {"input_layernorm": "norm (before attention)", "self_attn": "attention",
+               "post_attention_layernorm": "norm (before MLP)", "mlp": "MLP", "layer": "whole layer"}
 
 
 def store_bisect(path: str | os.PathLike[str], row: dict[str, Any]) -> None:
