@@ -106,6 +106,7 @@ def run_invariance(args: argparse.Namespace) -> int:
     report = invariance(args.trace, device=args.device, tolerance=args.tolerance, progress=sys.stderr.isatty(),
                         req_ids=args.request or None)
     print(report.describe())
+    print("\n" + report.risk_table())
     for rid in args.request or []:
         print(f"\n{rid}, per position:\n{report.positions_table(rid)}")
     if not args.no_store:
