@@ -4,8 +4,8 @@ Owns: re-running a recorded trace twice on the recorded engine config — every 
 recorded batch (replay's `run_recorded`), then each request alone — and comparing per output
 position the chosen token's logprob (the drift batching causes), the first token that differs and
 whether it was a near tie (the batched run's top-2 margin), and the flip-risk map: per request and
-position, the drift of the chosen token's logprob between the two contexts divided by the batched
-run's top-2 margin (`PositionDrift.risk`; above 1 the drift could flip the token), high risk first
+position, the drift of the logprobs between the two contexts (the largest change over the tokens
+both runs recorded) divided by the batched run's top-2 margin (`PositionDrift.risk`; above 1 the drift could flip the token), high risk first
 (`risk_table`). `workbench invariance T` prints it; the notebook's `InvarianceView` draws it. Stands above `trace/` because it needs the engine.
 """
 
@@ -30,7 +30,7 @@ class PositionDrift:
     logprob_batched: float | None
     logprob_alone: float | None
     margin: float | None = None  # the batched run's top-2 logprob margin here (from its recorded top-k)
-    drift: float | None = None  # |logprob batched - logprob alone| of the batched run's token, also where they differ
+    drift: float | None = None  # max |logprob batched - logprob alone| over the tokens both recorded (_drift)
 
     @property
     def delta(self) -> float | None:
@@ -118,16 +118,18 @@ class InvarianceReport:
         flips sit at such a position (a flip is a request's first differing token)."""
         cells = self.risk_map()
         flips = [(r.req_id, r.positions[r.first_diff]) for r in self.requests if r.first_diff is not None and r.seeded]
-        return {"positions": len(cells), "above_1": sum(p.risk > 1 for _, p in cells), "flips": len(flips),
+        return {"positions": len(cells), "above_1": sum(p.risk > 1 for _, p in cells),
+                "exact_ties": sum(p.margin is not None and p.margin <= 0 for _, p in cells), "flips": len(flips),
                 "flips_above_1": sum(p.risk is not None and p.risk > 1 for _, p in flips),
                 "unflipped_above_1": sum(p.risk > 1 and p.token_batched == p.token_alone for _, p in cells)}
 
     def risk_table(self, limit: int = 12) -> str:
         """The flip-risk map, high-risk positions first: drift between the contexts / top-2 margin."""
+        # a flip needs the margin to close: logprobs drifting by half the margin each way can do it
         s = self.risk_summary()
-        lines = [f"flip risk (drift batched vs alone / top-2 margin): {s['above_1']} of {s['positions']} positions "
+        lines = [f"flip risk (max logprob drift batched vs alone / top-2 margin): {s['above_1']} of {s['positions']} positions "
                  f"above 1; {s['flips_above_1']} of {s['flips']} flips at such a position, "
-                 f"{s['unflipped_above_1']} positions above 1 did not flip",
+                 f"{s['unflipped_above_1']} positions above 1 did not flip; {s['exact_ties']} exact ties (margin 0)",
                  f"{'request':<16} {'pos':>4} {'risk':>8} {'drift':>9} {'margin':>9}  token (batched / alone)"]
         for rid, p in self.risk_map()[:limit]:
             tok = repr(p.text_batched) + ("" if p.token_batched == p.token_alone else f" / {p.text_alone!r} FLIPPED")
@@ -202,14 +204,15 @@ def _margin(top: list[Any]) -> float | None:
 
 
 def _drift(eb: Any, ea: Any) -> float | None:
-    """|logprob of the batched run's token, batched vs alone|: from the alone run's top-k where it
-    chose another token."""
-    if eb.logprob is None:
+    """How far the distribution moved between the two contexts here: the largest |logprob batched -
+    logprob alone| over the tokens both runs recorded (each chosen token and the top-k they share;
+    the batched run's token must be among them). A flip needs the top-2 margin to close, which a
+    drift of each logprob by at least half the margin can do."""
+    batched = {eb.token_id: eb.logprob, **{t[0]: float(t[1]) for t in eb.top_logprobs if len(t) >= 2}}
+    alone = {ea.token_id: ea.logprob, **{t[0]: float(t[1]) for t in ea.top_logprobs if len(t) >= 2}}
+    if batched.get(eb.token_id) is None or alone.get(eb.token_id) is None:
         return None
-    if eb.token_id == ea.token_id:
-        return None if ea.logprob is None else abs(eb.logprob - ea.logprob)
-    other = next((float(t[1]) for t in ea.top_logprobs if len(t) >= 2 and t[0] == eb.token_id), None)
-    return None if other is None else abs(eb.logprob - other)
+    return max(abs(v - alone[k]) for k, v in batched.items() if v is not None and alone.get(k) is not None)
 
 
 def _compare(rid: str, batched: list[Any], alone: list[Any], seeded: bool, sizes: dict[int, int],
