@@ -89,6 +89,11 @@ def test_the_flip_risk_map_puts_the_positions_a_drift_could_flip_first(tiny, tmp
     assert cli_main(["invariance", str(path)]) == 0
     out = capsys.readouterr().out
     assert "flip risk" in out and f"{summary['above_1']} of {summary['positions']} positions above 1" in out
+    from workbench.notebook.whatif import InvarianceView
+
+    page = InvarianceView(report).html()
+    top_rid, top = cells[0]
+    assert page.index("flip risk") < page.index(f"<h4>{top_rid}</h4>")  # the map comes before the tables
     stored_summary, rows = read_invariance(str(path))
     assert stored_summary["flip_risk"] == summary
     assert all("risk" in p for row in rows.values() for p in row["positions"])
