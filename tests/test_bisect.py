@@ -137,3 +137,18 @@ def test_a_probed_bfloat16_server_behaves_like_bfloat16(tiny, tmp_path, capsys):
     fits = {c["numerics"]: c["median_abs_delta"] for c in rows["behaves-like"]["candidates"]}
     assert fits["bfloat16"] < min(v for k, v in fits.items() if k != "bfloat16")
     assert len(rows["bfloat16"]["layers"]) == 2
+
+
+def test_bad_arguments_are_clear_errors(tiny, tmp_path, capsys):
+    from workbench.cli import main as cli_main
+
+    path = tmp_path / "one.wbtrace"
+    with Engine(tiny, trace=str(path)) as engine:
+        engine.generate(["hello there"], SamplingParams(temperature=0, max_new_tokens=2))
+    with pytest.raises(SystemExit):
+        cli_main(["bisect", str(path), "--at", "req-0:1", "--against", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
+    assert cli_main(["bisect", str(path), "--at", "req-0:7", "--against", "fast"]) == 2
+    assert "position must be in [0, 2)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="no module 'model.layers.9.mlp'"):
+        bisect(str(path), "req-0:1", against={"model.layers.9.mlp": torch.nn.Identity()}, store=False)

@@ -74,7 +74,7 @@ def _reported(tok: Any) -> list[tuple[int, float]]:
 
 def behaves_like(trace: str, at: str | tuple[str, int], *, model: str | None = None, device: str | None = None,
                  candidates: tuple[str, ...] = lw.CANDIDATES, window: int = 4, runner: Any = None,
-                 store: bool = True) -> BehavesLike:
+                 load: Any = None, store: bool = True) -> BehavesLike:
     """Fit each candidate numerics to what the engine reported around `at` = REQ:POS of `trace`."""
     from workbench.external.check import recorded_scored
     from workbench.rerun.bisect import _loader_like, reference_runner
@@ -89,7 +89,7 @@ def behaves_like(trace: str, at: str | tuple[str, int], *, model: str | None = N
         scored = {s.req_id: s for s in recorded_scored(t)}
         if runner is None:
             runner, load = reference_runner(t, model, device)
-        else:
+        elif load is None:
             load = _loader_like(runner)
     s = scored.get(rid)
     if s is None or not s.tokens:

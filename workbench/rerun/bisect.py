@@ -27,6 +27,7 @@ engine behaves like is behaves_like.py.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -143,7 +144,7 @@ def _floor(ref: lw.Numerics, layer: int, block: str, call: lw.Call, eps: float, 
     """How far `block`'s output moves (reference numerics) when its input moves by one rounding of
     the suspect's dtype, plus the rounding of its output to that dtype."""
     x = lw.hidden_input(call)
-    r = torch.rand(x.shape, generator=gen, dtype=torch.float64).mul_(2).sub_(1)
+    r = torch.rand(x.shape, generator=gen, dtype=torch.float64).mul_(2).sub_(1).to(x.device)
     moved = (x.double() * (1 + eps * r)).to(x.dtype)
     y = lw.rerun(ref, layer, block, lw.with_input(call, moved))
     return _dist(y, call.out, row) + eps / 2 * float(call.out[0, row].norm())
@@ -206,15 +207,16 @@ def reference_runner(trace: Any, model: str | None, device: str | None) -> tuple
     if model is None and meta.get("hash") and loaded.content_hash != meta["hash"]:
         raise ValueError(f"model {spec!r} has content hash {loaded.content_hash}, but the trace was recorded with "
                          f"{meta['hash']}: refusing to bisect against a different model")
-    return ModelRunner(loaded), (lambda dtype: load_model(spec, device=device, dtype=dtype))
+    return ModelRunner(loaded), _cached(lambda dtype: load_model(spec, device=device, dtype=dtype))
 
 
 def bisect(trace: str, at: str | tuple[str, int], *, against: str | dict[str, torch.nn.Module] = "bfloat16",
            model: str | None = None, device: str | None = None, factor: float = 1.0, runner: Any = None,
-           store: bool = True) -> BisectResult:
+           load: Any = None, store: bool = True) -> BisectResult:
     """Attribute the difference between the reference numerics and `against` (a name in
     layer_walk.CANDIDATES, or `{module path: replacement module}` swapped into the reference model)
-    at `at` = REQ:POS of `trace`. `runner`: a reference ModelRunner to reuse (tests)."""
+    at `at` = REQ:POS of `trace`. `runner`: a reference ModelRunner to reuse; `load(dtype)`: how to
+    load its weights in another dtype (both from `reference_runner`)."""
     from workbench.rerun.fork import parse_at
     from workbench.trace.reader import open_trace
 
@@ -226,7 +228,7 @@ def bisect(trace: str, at: str | tuple[str, int], *, against: str | dict[str, to
         ids, recorded = sequence(t, rid, position)
         if runner is None:
             runner, load = reference_runner(t, model, device)
-        else:
+        elif load is None:
             load = _loader_like(runner)
     ref = lw.numerics_for("float32", runner, load)
     sus = lw.swapped(ref, against) if isinstance(against, dict) else lw.numerics_for(against, runner, load)
@@ -246,4 +248,9 @@ def _loader_like(runner: Any) -> Any:
     from workbench.models.loader import load_model
 
     spec, device = runner.loaded.spec, runner.loaded.device
-    return lambda dtype: load_model(spec, device=device, dtype=dtype)
+    return _cached(lambda dtype: load_model(spec, device=device, dtype=dtype))
+
+
+def _cached(load: Any) -> Any:
+    """`load(dtype)`, each dtype loaded once (auto mode fits every candidate, then bisects the winner)."""
+    return functools.cache(load)

@@ -118,11 +118,11 @@ def run_invariance(args: argparse.Namespace) -> int:
 
 
 def add_bisect_args(p: argparse.ArgumentParser) -> None:
-    from workbench.rerun.layer_walk import CANDIDATES
+    from workbench.trace.bisect_store import CANDIDATES
 
     p.add_argument("trace")
     p.add_argument("--at", required=True, metavar="REQ:POSITION", help="the position to explain, e.g. req-3:5")
-    p.add_argument("--against", default=None, metavar="NUMERICS",
+    p.add_argument("--against", default=None, metavar="NUMERICS", choices=(*CANDIDATES, "auto"),
                    help=f"the numerics under suspicion: {', '.join(CANDIDATES[1:])}, or auto (which numerics the "
                         "trace's engine behaves like, then bisect that one); default: auto for a probed trace, "
                         "bfloat16 otherwise")
@@ -139,18 +139,20 @@ def run_bisect(args: argparse.Namespace) -> int:
 
     with open_trace(args.trace) as t:
         external = t.meta.get("source") == "external"
-        runner, _ = reference_runner(t, args.model, args.device)
+        runner, load = reference_runner(t, args.model, args.device)
     against = args.against or ("auto" if external else "bfloat16")
     if against == "auto":
         from workbench.rerun.behaves_like import behaves_like
 
-        fit = behaves_like(args.trace, args.at, window=args.window, runner=runner, store=not args.no_store)
+        fit = behaves_like(args.trace, args.at, window=args.window, runner=runner, load=load,
+                           store=not args.no_store)
         print(fit.describe())
         if fit.best == "float32":
             print("the engine behaves like the reference numerics here: nothing to bisect")
             return 0
         against = fit.best
-    result = bisect(args.trace, args.at, against=against, factor=args.factor, runner=runner, store=not args.no_store)
+    result = bisect(args.trace, args.at, against=against, factor=args.factor, runner=runner, load=load,
+                    store=not args.no_store)
     print(result.describe())
     if not args.no_store:
         print(f"stored in {args.trace} (workbench.trace.bisect_store.read_bisects)", file=sys.stderr)

@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from workbench.trace.bisect_store import SUB_BLOCKS
+from workbench.trace.bisect_store import CANDIDATES, SUB_BLOCKS
 
-CANDIDATES = ("float32", "bfloat16", "float16", "fast", "fast-int8")
+__all__ = ["CANDIDATES", "SUB_BLOCKS", "Numerics", "Call", "Walk", "numerics_for", "swapped", "walk", "rerun"]
+
 # machine epsilon (one ulp at 1.0) of the dtype each numerics rounds its activations to
 EPS = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 
