@@ -77,7 +77,7 @@ def behaves_like(trace: str, at: str | tuple[str, int], *, model: str | None = N
                  load: Any = None, store: bool = True) -> BehavesLike:
     """Fit each candidate numerics to what the engine reported around `at` = REQ:POS of `trace`."""
     from workbench.external.check import recorded_scored
-    from workbench.rerun.bisect import _loader_like, reference_runner
+    from workbench.rerun.bisect import loader_like, reference_runner
     from workbench.rerun.fork import parse_at
     from workbench.trace.reader import open_trace
 
@@ -90,7 +90,7 @@ def behaves_like(trace: str, at: str | tuple[str, int], *, model: str | None = N
         if runner is None:
             runner, load = reference_runner(t, model, device)
         elif load is None:
-            load = _loader_like(runner)
+            load = loader_like(runner)
     s = scored.get(rid)
     if s is None or not s.tokens:
         raise ValueError(f"--at: no request {rid!r} with recorded tokens; requests are {sorted(scored)}")

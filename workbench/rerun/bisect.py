@@ -229,7 +229,7 @@ def bisect(trace: str, at: str | tuple[str, int], *, against: str | dict[str, to
         if runner is None:
             runner, load = reference_runner(t, model, device)
         elif load is None:
-            load = _loader_like(runner)
+            load = loader_like(runner)
     ref = lw.numerics_for("float32", runner, load)
     sus = lw.swapped(ref, against) if isinstance(against, dict) else lw.numerics_for(against, runner, load)
     tok = runner.loaded.tokenizer
@@ -244,7 +244,7 @@ def bisect(trace: str, at: str | tuple[str, int], *, against: str | dict[str, to
     return result
 
 
-def _loader_like(runner: Any) -> Any:
+def loader_like(runner: Any) -> Any:
     from workbench.models.loader import load_model
 
     spec, device = runner.loaded.spec, runner.loaded.device
