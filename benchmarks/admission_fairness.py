@@ -102,7 +102,7 @@ def admitted_phase(args: argparse.Namespace) -> dict:
         samples(srv.url, args.model, 3)  # warm up
         cold = settle_rss(srv.proc.pid, 1.0)
         # one batched request: the first batched steps pack the weights for MKL (once per process,
-        # cpu_kernels.PackedLinear) and page in code; the baseline is the server warmed up
+        # kernels/gemm.PackedLinear) and page in code; the baseline is the server warmed up
         warm = {"model": args.model, "prompt": [f"warm {i}" for i in range(32)], "n": 2, "max_tokens": 8,
                 "ignore_eos": True}
         httpx.post(srv.url + C, json=warm, timeout=300).raise_for_status()

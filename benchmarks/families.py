@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.prompts import LONG_TEXT  # noqa: E402
+from tests.helpers.prompts import LONG_TEXT  # noqa: E402
 from workbench.engine.engine import Engine  # noqa: E402
-from workbench.engine.run import cpu_kernels  # noqa: E402
+from workbench.engine.kernels import native  # noqa: E402
 from workbench.engine.sample.sampling_params import SamplingParams  # noqa: E402
 from workbench.models import load_model, tiny  # noqa: E402
 
@@ -66,7 +66,7 @@ def main() -> None:
         with Engine(models[fam], trace_level="off") as engine:
             variants = engine.runner.attention_variants
         layouts[fam] = ("; ".join(f"L{v['layer']} {_label(v)}" for v in variants),
-                        "C kernel" if cpu_kernels.available() else "torch")
+                        "C kernel" if native.available() else "torch")
     text = models["llama"].tokenizer(LONG_TEXT * 8, add_special_tokens=False)["input_ids"]
     prompts = [text[i:i + n] for i, n in enumerate(LENGTHS)]
     rounds: dict[str, list[tuple[float, int]]] = {f: [] for f in fams}

@@ -41,9 +41,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from workbench.engine.run import cpu_kernels, fastmode
+    from workbench.engine.kernels import native
+    from workbench.engine.run import fastmode
 
-    lib = cpu_kernels.mkl()
+    lib = native.mkl()
     print(f"native bf16: {fastmode.cpu_has_bf16()}, {args.threads} thread(s)")
     print("| rows | out x in | F.linear fp32 | packed fp32 | bf16 | int8 (fp32 in) | int8 (bf16 in) |")
     print("|---:|---|---:|---:|---:|---:|---:|")
@@ -53,11 +54,12 @@ def main() -> None:
 
 
 def _row(lib, rows: int, n: int, k: int) -> list[float]:
-    from workbench.engine.run import cpu_kernels, fastmode
+    from workbench.engine.kernels import gemm
+    from workbench.engine.run import fastmode
 
     m = torch.nn.Linear(k, n, bias=False)
     w, x = m.weight.detach(), torch.randn(rows, k)
-    packed = cpu_kernels.PackedLinear(lib, m) if lib is not None else None
+    packed = gemm.PackedLinear(lib, m) if lib is not None else None
     w16, x16 = w.to(torch.bfloat16), x.to(torch.bfloat16)
     q, scale = fastmode.quantize_int8(w)
     with torch.inference_mode():

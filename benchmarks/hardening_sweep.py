@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.trace_damage import DAMAGES  # noqa: E402  (the one catalogue, shared with the tests)
+from tests.helpers.trace_damage import DAMAGES  # noqa: E402  (the one catalogue, shared with the tests)
 
 MODEL = "tiny-random"
 C, CH = "/v1/completions", "/v1/chat/completions"

@@ -70,7 +70,8 @@ def instrument(engine, timers: Timers) -> contextlib.ExitStack:
 
     import workbench.engine.engine as engine_mod
     from workbench.engine import tracing
-    from workbench.engine.run import attention, cpu_kernels
+    from workbench.engine.kernels import gemm
+    from workbench.engine.run import attention
 
     stack = contextlib.ExitStack()
     stack.enter_context(patched(engine_mod, "build_forward_batch",
@@ -83,8 +84,7 @@ def instrument(engine, timers: Timers) -> contextlib.ExitStack:
     stack.enter_context(patched(engine.outputs, "append_tokens", timers.wrap("output", engine.outputs.append_tokens)))
     stack.enter_context(patched(engine.outputs, "process_token", timers.wrap("output", engine.outputs.process_token)))
     stack.enter_context(patched(engine.scheduler, "schedule", timers.wrap("schedule", engine.scheduler.schedule)))
-    stack.enter_context(patched(cpu_kernels.PackedLinear, "__call__",
-                                timers.wrap("gemm", cpu_kernels.PackedLinear.__call__)))
+    stack.enter_context(patched(gemm.PackedLinear, "__call__", timers.wrap("gemm", gemm.PackedLinear.__call__)))
     from workbench.engine.run import fastmode
 
     for cls in (fastmode.FastLinear, fastmode.FastMLP):  # fast mode's GEMMs (they call PackedLinear when off)

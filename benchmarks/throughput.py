@@ -46,7 +46,7 @@ def chat_prompts(n: int) -> list[list[dict[str, str]]]:
 def bench_engine(loaded, prompts, new: int, trace_level: str = "off", trace_path: str | None = None,
                  cpu_kernels: bool = True, eos: bool = False, **engine_kwargs) -> dict:
     from workbench.engine.engine import Engine
-    from workbench.engine.run import cpu_kernels as kernels
+    from workbench.engine.kernels.torch_paths import disabled
     from workbench.engine.sample.sampling_params import SamplingParams
 
     engine_kwargs.setdefault("kv_tokens", 64 * 1024)  # 0.4 GiB for SmolLM2 instead of 1 GiB: a shared machine
@@ -55,7 +55,7 @@ def bench_engine(loaded, prompts, new: int, trace_level: str = "off", trace_path
     if cpu_kernels:
         result = _bench_engine(engine, prompts, params)
     else:
-        with kernels.disabled(loaded.model):  # torch's gather + sdpa and F.linear, for comparison
+        with disabled(loaded.model):  # torch's gather + sdpa and F.linear, for comparison
             result = _bench_engine(engine, prompts, params)
     del engine
     gc.collect()  # the engine's KV pool goes before the next runner allocates its own

@@ -2,7 +2,7 @@
 
 Owns: executing `notebooks/[0-9][0-9]_*.ipynb` in place with nbclient (a real kernel, the notebook's
 own folder as the working directory) and stamping each with the hash of its code cells
-(`metadata.workbench.sources_sha256`), so tests/test_notebook_outputs.py can tell that the stored
+(`metadata.workbench.sources_sha256`), so tests/notebook/test_notebook_outputs.py can tell that the stored
 outputs come from the code as it is now. Widgets keep only their text fallback: their state holds
 whole traces (tens of MB) and is not stored. Usage: python notebooks/execute.py [NAME ...]
 """

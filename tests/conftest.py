@@ -68,14 +68,14 @@ def tiny_sp():
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer() -> Any:
-    from tests.tokenizers_fixtures import load_smollm2_tokenizer
+    from tests.helpers.tokenizers_fixtures import load_smollm2_tokenizer
 
     return load_smollm2_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def sp_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from tests.tokenizers_fixtures import _sentencepiece_tokenizer
+    from tests.helpers.tokenizers_fixtures import _sentencepiece_tokenizer
 
     return _sentencepiece_tokenizer(str(tmp_path_factory.getbasetemp() / "sp_tokenizer"))
 
@@ -88,15 +88,15 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_folder() -> Path:
-    from tests.test_tui_fixtures import smollm2_tokenizer_folder
+    from tests.helpers.example_trace import smollm2_tokenizer_folder
 
     return smollm2_tokenizer_folder()
 
 
 @pytest.fixture(scope="session")
 def example_trace(tmp_path_factory: pytest.TempPathFactory, smollm2_folder: Path) -> Path:
-    """The designed six-step example trace the TUI tests read (tests/test_tui_fixtures.py)."""
-    from tests.test_tui_fixtures import write_example_trace
+    """The designed six-step example trace the TUI tests read (tests/helpers/example_trace.py)."""
+    from tests.helpers.example_trace import write_example_trace
 
     return write_example_trace(tmp_path_factory.mktemp("tui") / "example.wbtrace", smollm2_folder)
 
@@ -119,7 +119,7 @@ def page_server(tiny):
 @pytest.fixture(scope="module")
 def browser():
     """Debian's chromium driven by playwright (the browser tests skip without chromium)."""
-    from tests.test_server_page import ARGS, CHROMIUM
+    from tests.helpers.browser import ARGS, CHROMIUM
 
     try:
         from playwright.sync_api import sync_playwright

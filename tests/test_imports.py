@@ -144,3 +144,58 @@ def test_no_loose_module_at_the_top_of_the_package() -> None:
     loose = sorted(p.name for p in (ROOT / "workbench").glob("*.py") if p.name != "__init__.py")
     assert loose == []
     assert (ROOT / "workbench" / "cli" / "__main__.py").exists()  # `python -m workbench.cli`, the entry point
+
+
+def test_no_test_module_imports_another() -> None:
+    """Tests share fixtures through conftest.py and code through tests/helpers/, so moving or deleting a
+    test module never breaks another."""
+    borrowed = [f"{path.relative_to(ROOT)} imports {module}"
+                for path in sorted((ROOT / "tests").rglob("test_*.py")) for module, names in _imports(path)
+                if module.startswith("tests") and (module.rsplit(".", 1)[-1].startswith("test_")
+                                                   or any(n.startswith("test_") for n in names))]
+    assert borrowed == []
+
+
+def _engine_api_members() -> set[str]:
+    code = ("import json; from workbench.engine.api import EngineAPI; "
+            "print(json.dumps(sorted(set(dir(EngineAPI)) | set(EngineAPI.__annotations__))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    return {m for m in json.loads(out.stdout) if not m.startswith("__")}
+
+
+OUTSIDE_THE_ENGINE = [ROOT / "workbench" / p for p in ("server", "external", "rerun", "notebook", "cli", "clients")]
+
+
+def test_outside_the_engine_only_its_facade_is_imported() -> None:
+    """server/, external/, rerun/, the viewers and the CLI import the engine's facade and the records
+    that cross its boundary (api.PUBLIC_MODULES), never a part (the runner, the scheduler, a Req)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        from workbench.engine.api import PUBLIC_MODULES
+    finally:
+        sys.path.pop(0)
+    reaching = [f"{path.relative_to(ROOT)} imports {module}"
+                for folder in [*OUTSIDE_THE_ENGINE, ROOT / "tui"] for path in sorted(folder.rglob("*.py"))
+                for module, names in _imports(path)
+                if module.startswith("workbench.engine") and module not in PUBLIC_MODULES
+                and not (module == "workbench.engine" and not names)]
+    assert reaching == []
+
+
+def test_outside_the_engine_only_the_api_is_asked() -> None:
+    """Every `engine.X` (and `state.engine.X`, `self.engine.X`) outside engine/ names a member of
+    EngineAPI: the server and the re-runs ask facts and steps, never `engine.runner` or `engine.reqs`."""
+    allowed = _engine_api_members()
+    reaching = []
+    for folder in [*OUTSIDE_THE_ENGINE, ROOT / "tui"]:
+        for path in sorted(folder.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Attribute):
+                    continue
+                owner = node.value
+                name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else None
+                if name == "engine" and node.attr not in allowed:
+                    reaching.append(f"{path.relative_to(ROOT)}:{node.lineno} engine.{node.attr}")
+    assert reaching == []

@@ -14,7 +14,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from workbench.engine.config import KERNELS
+from workbench.engine.config import KERNELS, EngineArgs
+
+DEFAULTS = EngineArgs()
 
 DEMO_CHATS = [
     [{"role": "user", "content": "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog."}],
@@ -26,13 +28,13 @@ DEMO_CHATS = [
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="model spec: smollm2, tiny-random, a folder, a .gguf file")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--device", default=DEFAULTS.device, help="auto, cpu or cuda[:N]")
     p.add_argument("--spec", default=None, help="speculative decoding: ngram[:k=4], draft:MODEL[:k=4], early-exit[:layers=N]")
-    p.add_argument("--chunk-size", type=int, default=512)
-    p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--chunk-size", type=int, default=DEFAULTS.chunk_size)
+    p.add_argument("--max-batch-tokens", type=int, default=DEFAULTS.max_batch_tokens)
     p.add_argument("--trace", default=None, help="record a .wbtrace file")
     p.add_argument("--trace-level", default="summary", choices=["off", "summary", "full"])
-    p.add_argument("--kernels", default="exact", choices=KERNELS,
+    p.add_argument("--kernels", default=DEFAULTS.kernels, choices=KERNELS,
                    help="numerics: exact (default, transformers' numbers), fast (bf16 GEMMs, fused MLP and norm) "
                         "or fast-int8 (int8 weights); the fast ones are faster on CPU and their output can differ")
 

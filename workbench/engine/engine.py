@@ -7,7 +7,7 @@ named seams. Owns: building the parts and handing each only what it needs (the s
 prefix cache and speculative headroom, the speculative worker the target's parts and the output
 stage), request admission (tokenize, validate, refuse what can never fit), the step loop, abort,
 the public API (`generate`, `stream`, `add_request`, `abort`) and the facts a server reads
-(`max_context_len`, `kv_used`, ...). Thread-safe entry points (`add_request`, `abort`) queue work
+(`max_context_len`, `kv_used`, ...): api.py's `EngineAPI` lists what outside code may use. Thread-safe entry points (`add_request`, `abort`) queue work
 that the stepping thread picks up at the start of its next step.
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from workbench.engine import tracing, whatif
-from workbench.engine.config import CpuKernels, EngineConfig
-from workbench.engine.facts import EngineFacts
+from workbench.engine.api import StepFailed
+from workbench.engine.config import CpuKernels, EngineArgs, EngineConfig
 from workbench.engine.output.finish import FinishResult
 from workbench.engine.output.output import RequestOutput, StepOutput
 from workbench.engine.output.postprocess import OutputProcessor
@@ -45,65 +45,48 @@ from workbench.engine.sched.scheduler import Scheduler
 from workbench.engine.speculative.config import Target
 from workbench.engine.speculative.worker import SpecWorker, make_spec_worker
 from workbench.engine.step import StepContext
-from workbench.engine.timing import ReqTiming
+from workbench.engine.timing import ReqTiming, StepClock
 from workbench.models.loader import LoadedModel, gc_paused, load_model
 from workbench.trace.recorder import MemorySink, Sink, Tracer
 
 
-class StepFailed(RuntimeError):
-    """A step failed inside the forward pass or the sampler. The engine has already ended the
-    requests of that step (`affected`, finish reason "abort" with `error` set) and freed their KV;
-    it keeps serving everything else."""
+class Engine:
+    """The engine (what outside code may ask of it: api.py's `EngineAPI`).
 
-    def __init__(self, message: str, affected: list[str]) -> None:
-        super().__init__(message)
-        self.affected = affected
+    `Engine(model, args)` or `Engine(model, **fields of EngineArgs)`: the defaults are EngineArgs'.
+    `trace` (a .wbtrace path), `trace_level`, `trace_sinks` and `capture` say what is recorded.
+    """
 
-
-class Engine(EngineFacts):
-    def __init__(self, model: str | LoadedModel = "smollm2", *, device: str = "auto", dtype: str | None = None,
-                 max_batch_tokens: int = 2048, chunk_size: int = 512, kv_tokens: int | None = None,
-                 max_running: int = 64, enable_mixed: bool = True, trace: str | None = None,
-                 trace_level: str = "summary", trace_topk: int = 10, trace_sinks: list[Sink] | None = None,
-                 spec: Any = None, seed: int = 0, prefix_sharing: bool = True, prefix_cache: bool = False,
-                 max_model_len: int | None = None, capture: Any = None, kernels: str = "exact",
-                 kv_slot_order: str = "restart") -> None:
+    def __init__(self, model: str | LoadedModel = "smollm2", args: EngineArgs | None = None, *,
+                 trace: str | None = None, trace_level: str = "summary", trace_sinks: list[Sink] | None = None,
+                 capture: Any = None, **settings: Any) -> None:
+        a = self.args = (args or EngineArgs()).replace(**settings)
+        max_running, kernels = a.max_running, a.kernels
+        spec, trace_topk = a.spec, a.trace_topk
         fastmode.check(kernels)  # a bad value fails before the model loads
         with gc_paused():  # the load allocates much and frees little (loader.gc_paused)
-            self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
+            self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=a.device, dtype=a.dtype)
             self.runner = ModelRunner(self.loaded, kernels=kernels)
         self.tokenizer = self.loaded.tokenizer
         self.device = self.loaded.device
         self.vocab_size = self.runner.vocab_size
-        if max_running < 1:
-            raise ValueError(f"max_running must be >= 1, got {max_running}")
-        if max_model_len is not None:  # a shorter context than the model's (vLLM's --max-model-len)
-            if isinstance(max_model_len, bool) or not 1 <= max_model_len <= self.runner.max_context_len:
-                raise ValueError(f"max_model_len must be in [1, {self.runner.max_context_len}] (the model's "
-                                 f"context), got {max_model_len!r}")
-            self.runner.max_context_len = max_model_len
-        max_ctx = self.runner.max_context_len
-        if kv_tokens is None:
-            per_token = 2 * self.runner.num_layers * self.runner.kv_heads * self.runner.head_dim * 4
-            kv_tokens = min(max_running * max_ctx, (1 << 30) // per_token)
-        if kv_tokens < 2:
-            raise ValueError(f"kv_tokens must be >= 2, got {kv_tokens}")
+        max_ctx, kv_tokens = self._context_and_pool(a)
         self.memory = Memory(num_layers=self.runner.num_layers, kv_heads=self.runner.kv_heads,
                              head_dim=self.runner.head_dim, kv_tokens=kv_tokens, max_running=max_running,
                              max_context_len=max_ctx, dtype=self.runner.dtype, device=self.device,
-                             slot_order=kv_slot_order)
+                             slot_order=a.kv_slot_order)
         self.sampler = Sampler()
         self.outputs = OutputProcessor(self.tokenizer, max_ctx)
         self.grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.outputs.eos_token_ids)
         self.config = EngineConfig(
-            model=self.loaded.spec, device=self.device, dtype=self.loaded.dtype, max_batch_tokens=max_batch_tokens,
-            chunk_size=chunk_size, kv_tokens=kv_tokens, max_running=max_running, enable_mixed=enable_mixed,
-            trace_topk=trace_topk, seed=seed, prefix_sharing=prefix_sharing, prefix_cache=prefix_cache,
+            model=self.loaded.spec, device=self.device, dtype=self.loaded.dtype, max_batch_tokens=a.max_batch_tokens,
+            chunk_size=a.chunk_size, kv_tokens=kv_tokens, max_running=max_running, enable_mixed=a.enable_mixed,
+            trace_topk=trace_topk, seed=a.seed, prefix_sharing=a.prefix_sharing, prefix_cache=a.prefix_cache,
             spec=spec if isinstance(spec, (str, dict, type(None))) else getattr(spec, "to_dict", spec.__str__)(),
             kernels=kernels, cpu_kernels=CpuKernels(**self.runner.kernel_report(counts=False)),  # what the runner chose at load
-            kv_slot_order=kv_slot_order)
+            kv_slot_order=a.kv_slot_order)
         self.trace_topk = trace_topk
-        self.prefix_sharing = prefix_sharing
+        self.prefix_sharing = a.prefix_sharing
         self.tracer = self._make_tracer(trace, trace_level, trace_sinks)
         self.observer = tracing.TraceObserver(self.tracer, self.memory.allocator, self.outputs.token_text, trace_topk,
                                               attention=self._attention_record)
@@ -115,16 +98,34 @@ class Engine(EngineFacts):
             target = Target(self.runner, self.memory, self.sampler, self.tokenizer, self.device, self.loaded.dtype,
                             self.vocab_size, self.outputs.eos_token_ids)
             self.spec = make_spec_worker(spec, target, self.output_stage)
-        self.scheduler = Scheduler(self.memory, max_batch_tokens=max_batch_tokens, chunk_size=chunk_size,
-                                   max_context_len=max_ctx, enable_mixed=enable_mixed,
-                                   prefix_cache=PrefixCache(self.memory.allocator) if prefix_cache else None,
+        self.scheduler = Scheduler(self.memory, max_batch_tokens=a.max_batch_tokens, chunk_size=a.chunk_size,
+                                   max_context_len=max_ctx, enable_mixed=a.enable_mixed,
+                                   prefix_cache=PrefixCache(self.memory.allocator) if a.prefix_cache else None,
                                    spec_headroom=self.spec.cfg.num_speculative_tokens if self.spec else 0)
         self._last = StepContext(0, self.observer)  # the last step's record (step 0: none ran yet)
         self.reqs: dict[str, Req] = {}
         self._inbox: queue.SimpleQueue[Req] = queue.SimpleQueue()
         self._aborts: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self._ids = itertools.count()
-        torch.manual_seed(seed)
+        torch.manual_seed(a.seed)
+
+    def _context_and_pool(self, a: EngineArgs) -> tuple[int, int]:
+        """The context length (the model's, or a shorter `max_model_len`, vLLM's --max-model-len) and the
+        KV pool's size in tokens (by default `max_running` full contexts, capped at 1 GiB of float32 KV)."""
+        if a.max_running < 1:
+            raise ValueError(f"max_running must be >= 1, got {a.max_running}")
+        if a.max_model_len is not None:
+            if isinstance(a.max_model_len, bool) or not 1 <= a.max_model_len <= self.runner.max_context_len:
+                raise ValueError(f"max_model_len must be in [1, {self.runner.max_context_len}] (the model's "
+                                 f"context), got {a.max_model_len!r}")
+            self.runner.max_context_len = a.max_model_len
+        max_ctx, kv_tokens = self.runner.max_context_len, a.kv_tokens
+        if kv_tokens is None:
+            per_token = 2 * self.runner.num_layers * self.runner.kv_heads * self.runner.head_dim * 4
+            kv_tokens = min(a.max_running * max_ctx, (1 << 30) // per_token)
+        if kv_tokens < 2:
+            raise ValueError(f"kv_tokens must be >= 2, got {kv_tokens}")
+        return max_ctx, kv_tokens
 
     def _make_tracer(self, path: str | None, level: str, sinks: list[Sink] | None) -> Tracer:
         """The tracer over the given sinks, plus a trace file at `path`, with the run's metadata."""
@@ -381,6 +382,51 @@ class Engine(EngineFacts):
     @property
     def memory_sink(self) -> MemorySink | None:
         return next((s for s in self.tracer.sinks if isinstance(s, MemorySink)), None)
+
+    # --- facts between steps (what a server, a metrics exporter or a TUI reads; api.py) ------
+
+    @property
+    def step_no(self) -> int:
+        """The number of the last step that ran (0 before the first)."""
+        return self._last.step
+
+    @property
+    def clock(self) -> StepClock:
+        """The stage clock of the last step."""
+        return self._last.clock
+
+    def max_context_len(self) -> int:
+        return self.runner.max_context_len
+
+    def kv_total(self) -> int:
+        return self.memory.allocator.size
+
+    def kv_used(self) -> int:
+        return self.memory.allocator.used()
+
+    def running_ids(self) -> list[str]:
+        return [r.req_id for r in self.scheduler.running]
+
+    def waiting_ids(self) -> list[str]:
+        return [r.req_id for r in self.scheduler.waiting]
+
+    def token_text(self, token_id: int) -> str:
+        return self.outputs.token_text(token_id)
+
+    def fill_token_text(self) -> int:
+        """Decode the whole vocabulary into the token-text table now (a long-running server does
+        this at start: OutputProcessor.fill_token_text says why); returns the number of tokens."""
+        return self.outputs.fill_token_text()
+
+    def timing(self, req_id: str) -> ReqTiming | None:
+        """A live request's latency record (arrival, its stage marks), None once forgotten."""
+        req = self.reqs.get(req_id)
+        return req.timing if req is not None else None
+
+    def release_buffers(self) -> None:
+        """Hand back the sampler's scratch buffers (up to [max running, vocab] x 2 floats); an idle
+        server calls it. Call from the stepping thread, between steps."""
+        self.sampler.release_buffers()
 
     # --- what-if hooks (workbench fork; logic in whatif.py) -----------------------------------
 

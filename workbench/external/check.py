@@ -121,7 +121,7 @@ def _score(engine: Any, todo: list[Scored], tolerance: float) -> list[RequestChe
     from workbench.engine.sample.sampling_params import SamplingParams
 
     vocab = engine.vocab_size
-    max_ctx = engine.runner.max_context_len
+    max_ctx = engine.max_context_len()
     inputs, kept = [], []
     for s in todo:
         ids = [t.token_id for t in s.tokens]
@@ -136,7 +136,7 @@ def _score(engine: Any, todo: list[Scored], tolerance: float) -> list[RequestChe
     params = SamplingParams(max_new_tokens=0, prompt_logprobs=True, top_logprobs=REF_TOP, temperature=0.0)
     outputs = engine.generate(inputs, [params] * len(inputs)) if inputs else []
     by_id = {s.req_id: out for s, out in zip(kept, outputs, strict=True)}
-    text = engine.outputs.token_text if hasattr(engine, "outputs") else (lambda t: "")
+    text = engine.token_text if hasattr(engine, "token_text") else (lambda t: "")
     results = []
     for s in todo:
         out = by_id.get(s.req_id)

@@ -17,15 +17,15 @@ from typing import Any
 import plotly.graph_objects as go
 
 from workbench.notebook import figures
-from workbench.notebook.data import EventSource, RequestView, Source, TraceSource, as_source
-from workbench.notebook.html import render_page
-from workbench.notebook.reference import (
+from workbench.notebook.check_view import (
     client_timing_figure,
     not_recorded,
     not_recorded_figure,
     reference_figure,
     source_checks,
 )
+from workbench.notebook.data import EventSource, RequestView, Source, TraceSource, as_source
+from workbench.notebook.html import render_page
 from workbench.trace.events import Event, SamplingStages
 from workbench.trace.latency import RequestLatency
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from workbench.rerun import layer_walk as lw
+import workbench.engine.layer_walk as lw
 
 
 @dataclass(slots=True)

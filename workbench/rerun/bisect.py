@@ -2,7 +2,7 @@
 that adds error beyond its dtype's floor.
 
 Owns: reading the sequence (the request's prompt and its output tokens before POS), running it
-twice through this engine's runner (layer_walk.py: once in the reference numerics, float32 with
+twice through this engine's runner (engine/layer_walk.py: once in the reference numerics, float32 with
 exact kernels, once in the numerics under suspicion) and attributing the difference at the row
 that chose token POS, per decoder layer:
 
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from workbench.rerun import layer_walk as lw
+import workbench.engine.layer_walk as lw
 
 FLOOR_SEED = 0
 
@@ -196,7 +196,6 @@ def sequence(trace: Any, req_id: str, position: int) -> tuple[list[int], int | N
 def reference_runner(trace: Any, model: str | None, device: str | None) -> tuple[Any, Any]:
     """The reference `ModelRunner` (float32, exact kernels) for the trace's model (or `model`), and a
     loader of the same weights in another dtype."""
-    from workbench.engine.run.model_runner import ModelRunner
     from workbench.models.loader import load_model
     from workbench.rerun.rebuild import model_meta
 
@@ -207,7 +206,7 @@ def reference_runner(trace: Any, model: str | None, device: str | None) -> tuple
     if model is None and meta.get("hash") and loaded.content_hash != meta["hash"]:
         raise ValueError(f"model {spec!r} has content hash {loaded.content_hash}, but the trace was recorded with "
                          f"{meta['hash']}: refusing to bisect against a different model")
-    return ModelRunner(loaded), _cached(lambda dtype: load_model(spec, device=device, dtype=dtype))
+    return lw.runner_for(loaded), _cached(lambda dtype: load_model(spec, device=device, dtype=dtype))
 
 
 def bisect(trace: str, at: str | tuple[str, int], *, against: str | dict[str, torch.nn.Module] = "bfloat16",

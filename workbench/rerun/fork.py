@@ -143,7 +143,7 @@ def fork(trace: str, at: str | tuple[str, int], *, token: int | str | None = Non
         parent_draws = recorded_draws(parent)
         parent_tokens = {r["req_id"]: _tokens(parent, r["req_id"]) for r in requests}
     forced = resolve_token(token, engine.tokenizer, recorded)
-    branch = BranchPoint(rid, position, forced, engine.outputs.token_text(forced) if forced is not None else None,
+    branch = BranchPoint(rid, position, forced, engine.token_text(forced) if forced is not None else None,
                          recorded.token_id, recorded.text, changes)
     greedy = {r["req_id"] for r in requests if (r["params"] or {}).get("temperature", 1.0) == 0}
     mode, draws, prefix = _common_randoms(parent_draws, parent_tokens, greedy, rid, position, bool(cfg.get("spec")))

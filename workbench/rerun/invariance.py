@@ -271,7 +271,7 @@ def invariance(trace: str, *, device: str | None = None, tolerance: float = 1e-3
             bar.update(1)
     finally:
         bar.close()
-        device_name, dtype = str(engine.device), str(engine.loaded.dtype)
+        device_name, dtype = str(engine.device), str(engine.config.dtype)
         engine.close()
     batched, sizes = _tokens(batched_events), _batch_sizes(batched_events)
     drifts = [_compare(r["req_id"], batched.get(r["req_id"], []), alone[r["req_id"]],

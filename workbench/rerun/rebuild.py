@@ -45,6 +45,7 @@ def build_engine(trace: Trace, engine_cfg: dict, device: str | None, out: str | 
                  overrides: dict[str, Any] | None = None):
     """An engine like the recorded one (config, model checked by hash), tracing into a MemorySink and,
     with `out`, a new .wbtrace file too. `overrides` replaces Engine keyword arguments (e.g. spec)."""
+    from workbench.engine.config import EngineArgs
     from workbench.engine.engine import Engine
     from workbench.models.loader import load_model
     from workbench.trace.recorder import MemorySink
@@ -56,19 +57,13 @@ def build_engine(trace: Trace, engine_cfg: dict, device: str | None, out: str | 
         raise ValueError(f"model {spec!r} has content hash {loaded.content_hash}, but the trace was recorded with "
                          f"{meta['hash']}: refusing to replay against a different model")
     sink = MemorySink()
-    keys = ("max_batch_tokens", "chunk_size", "kv_tokens", "max_running", "enable_mixed", "trace_topk", "seed", "spec",
-            "prefix_sharing", "prefix_cache", "kernels", "kv_slot_order")  # kernels: a fast trace re-runs fast
-    kwargs = {k: engine_cfg[k] for k in keys if k in engine_cfg}
-    kwargs.setdefault("prefix_sharing", False)  # traces from before it existed ran without it
-    kwargs.setdefault("kv_slot_order", "fifo")  # and those from before this one handed out slots FIFO
-    kwargs.update(overrides or {})
+    args = EngineArgs.from_recorded(engine_cfg, **(overrides or {}))  # kernels: a fast trace re-runs fast
     level = trace.meta.get("trace_level", "summary")
     if out is not None:
         from pathlib import Path
 
         Path(out).unlink(missing_ok=True)
-    engine = Engine(loaded, trace=out, trace_level=level if level != "off" else "summary", trace_sinks=[sink],
-                    **kwargs)
+    engine = Engine(loaded, args, trace=out, trace_level=level if level != "off" else "summary", trace_sinks=[sink])
     return engine, sink
 
 

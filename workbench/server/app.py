@@ -20,7 +20,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from workbench.engine.engine import Engine
+from workbench.engine.api import EngineAPI
 from workbench.server import routes_debug, routes_openai
 from workbench.server.admission import AdmissionLimits
 from workbench.server.engine_loop import EngineLoop
@@ -37,7 +37,7 @@ from workbench.trace.recorder import MemorySink
 log = logging.getLogger("workbench.server")
 
 
-def create_app(engine: Engine, *, model_name: str | None = None, hub: EventHub | None = None,
+def create_app(engine: EngineAPI, *, model_name: str | None = None, hub: EventHub | None = None,
                trace_dir: str | Path | None = None, trace_writer: Any = None, api_key: str | None = None,
                max_body_bytes: int = 4 << 20, default_max_tokens: int = 1024, close_engine: bool = False,
                stream_limits: StreamLimits | None = None, admission: AdmissionLimits | None = None,
@@ -67,7 +67,7 @@ def create_app(engine: Engine, *, model_name: str | None = None, hub: EventHub |
         engine=engine, loop=EngineLoop(engine, on_finished=metrics.observe_finished, limits=stream_limits,
                                        admission=admission), hub=hub,
         metrics=metrics,
-        model_name=model_name or str(engine.loaded.spec), token_bytes=TokenBytes(engine.tokenizer),
+        model_name=model_name or str(engine.config.model), token_bytes=TokenBytes(engine.tokenizer),
         trace_dir=Path(trace_dir) if trace_dir is not None else None, trace_writer=trace_writer,
         api_key=api_key, max_body_bytes=max_body_bytes, default_max_tokens=default_max_tokens,
         created=int(time.time()))

@@ -21,10 +21,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from workbench.engine.engine import Engine, StepFailed
+from workbench.engine.api import EngineAPI, StepFailed
 from workbench.engine.output.output import RequestOutput, StepOutput, TokenLogprob
 from workbench.engine.sample.sampling_params import SamplingParams
-from workbench.engine.sched.request import Req
 from workbench.server.admission import AdmissionLimits, Admitter, Job
 from workbench.server.heap import IdleSchedule, release_idle_memory
 from workbench.server.output_buffer import OutputBuffer, StreamLimits
@@ -118,7 +117,7 @@ class RequestHandle:
 class EngineLoop:
     """Runs `engine.step()` on its own thread while there is work, and routes outputs to handles."""
 
-    def __init__(self, engine: Engine, *, on_finished: Callable[[RequestOutput], None] | None = None,
+    def __init__(self, engine: EngineAPI, *, on_finished: Callable[[RequestOutput], None] | None = None,
                  idle_wait: float = 0.1, limits: StreamLimits | None = None,
                  admission: AdmissionLimits | None = None) -> None:
         self.engine = engine
@@ -309,7 +308,7 @@ class EngineLoop:
                     # idle for a step, and a collection, a heap trim (whose pages fault back in) and
                     # fresh sampler buffers there cost every request a step's worth (py-spy: 3% of the
                     # engine thread under a 5,000-prompt request)
-                    engine.sampler.release_buffers()  # up to [max running, vocab] x 2 floats
+                    engine.release_buffers()  # the sampler's [max running, vocab] scratch
                     release_idle_memory()
                 self._wake.wait(schedule.wait(now, self.idle_wait))
                 self._wake.clear()
@@ -350,13 +349,12 @@ class EngineLoop:
             self._stop.set()
 
     def _item(self, out: StepOutput) -> StreamItem:
-        req = self.engine.reqs.get(out.req_id)
-        logprobs = _step_logprobs(self.engine, req, out.new_token_ids) if req is not None else None
+        timing = self.engine.timing(out.req_id)
         handoff = None
-        if req is not None and out.new_token_ids and getattr(req, "timing", None) is not None:
+        if timing is not None and out.new_token_ids:
             clock = self.engine.clock
             handoff = Handoff(self.engine.step_no, clock.start, clock.scheduled, clock.forward_end, clock.sampled,
-                              req.timing.last_mark, time.perf_counter(), req.timing.arrival)
+                              timing.last_mark, time.perf_counter(), timing.arrival)
         if out.finished:
             self.engine.forget(out.req_id)
             if self.on_finished is not None and out.output is not None:
@@ -364,7 +362,7 @@ class EngineLoop:
                     self.on_finished(out.output)
                 except Exception:
                     log.exception("on_finished callback failed")
-        return StreamItem(out.req_id, out, logprobs, handoff=handoff)
+        return StreamItem(out.req_id, out, out.logprobs, handoff=handoff)
 
     def _fail_running(self, exc: Exception) -> list[StreamItem]:
         self.failures += 1
@@ -384,17 +382,4 @@ class EngineLoop:
         return EngineStats(step=engine.step_no, running=len(engine.running_ids()), waiting=len(engine.waiting_ids()),
                            kv_used=engine.kv_used(), kv_total=engine.kv_total(), step_time=step_time)
 
-
-def _step_logprobs(engine: Engine, req: Req, ids: list[int]) -> list[TokenLogprob] | None:
-    """Logprobs of the tokens `ids` this step appended to `req` (engine thread, right after step()).
-
-    The per-token lists are read from their ends: a stop-string cut shortens `output_ids`, not them.
-    """
-    params, n = req.params, len(ids)
-    if not (params.logprobs or params.top_logprobs) or n == 0 or len(req.output_logprobs) < n:
-        return None
-    lps, ranks, tops = req.output_logprobs[-n:], req.output_ranks[-n:], req.output_top_logprobs[-n:]
-    text = engine.token_text
-    return [TokenLogprob(t, text(t), lp, rk, [(i, text(i), v) for i, v in top[: params.top_logprobs]])
-            for t, lp, rk, top in zip(ids, lps, ranks, tops)]
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from workbench.engine.engine import Engine
+from workbench.engine.api import EngineAPI
 from workbench.engine.output.output import RequestOutput
 from workbench.engine.sample.sampling_params import SamplingParams
 from workbench.server.engine_loop import EngineLoop, EngineUnavailable, RequestHandle
@@ -38,7 +38,7 @@ DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) up to here, so
 class ServerState:
     """What the routes share; one per app, on `app.state.workbench` (no module globals)."""
 
-    engine: Engine
+    engine: EngineAPI
     loop: EngineLoop
     hub: EventHub
     metrics: Metrics
@@ -101,7 +101,7 @@ def check_content_type(request: Request) -> None:
 
 def check_max_tokens(state: ServerState, max_tokens: int) -> None:
     """400 when max_tokens alone exceeds the context length (vLLM refuses it too), instead of clamping."""
-    limit = int(state.engine.runner.max_context_len)
+    limit = int(state.engine.max_context_len())
     if max_tokens > limit:
         raise bad_request(f"max_tokens ({max_tokens}) exceeds the model's context length of {limit} tokens; "
                           f"max_tokens must be at most {limit}", "max_tokens", code="context_length_exceeded")

@@ -27,7 +27,7 @@ from typing import Any
 from workbench.trace.format import file_problem, json_dumps
 
 TABLE = "bisect"
-# the numerics bisect can run (workbench/rerun/layer_walk.py), the reference first
+# the numerics bisect can run (workbench/engine/layer_walk.py), the reference first
 CANDIDATES = ("float32", "bfloat16", "float16", "fast", "fast-int8")
 # the sub-blocks of a Llama-layout decoder layer, in the order the layer runs them, and their names
 SUB_BLOCKS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")

@@ -54,6 +54,8 @@ class StepOutput:
     delta: str
     finished: bool
     output: RequestOutput | None = None
+    # the new tokens' logprobs (with the request's top alternatives) when it asked for logprobs
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True, slots=True)

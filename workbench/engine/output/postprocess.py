@@ -35,6 +35,19 @@ class OutputProcessor:
             self._token_text[token_id] = text
         return text
 
+    def step_logprobs(self, req: Req, ids: list[int]) -> list[TokenLogprob] | None:
+        """Logprobs of the tokens `ids` this step appended to `req` (None when it asked for none).
+
+        The per-token lists are read from their ends: a stop-string cut shortens `output_ids`, not them.
+        """
+        params, n = req.params, len(ids)
+        if not (params.logprobs or params.top_logprobs) or n == 0 or len(req.output_logprobs) < n:
+            return None
+        lps, ranks, tops = req.output_logprobs[-n:], req.output_ranks[-n:], req.output_top_logprobs[-n:]
+        text = self.token_text
+        return [TokenLogprob(t, text(t), lp, rk, [(i, text(i), v) for i, v in top[: params.top_logprobs]])
+                for t, lp, rk, top in zip(ids, lps, ranks, tops)]
+
     def fill_token_text(self) -> int:
         """Decode every token of the vocabulary into the token-text table now; returns how many.
 

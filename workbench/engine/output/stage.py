@@ -71,7 +71,8 @@ class OutputStage:
             done = self.finish(ctx, req, final) if final is not None else None
             text = "".join(delta) + (done.tail if done is not None else "")
             results.append(StepOutput(req.req_id, kept, text, done is not None,
-                                      done.output if done is not None else None))
+                                      done.output if done is not None else None,
+                                      self.processor.step_logprobs(req, kept)))
         return results
 
     def finish(self, ctx: StepContext, req: Req, result: FinishResult) -> Finished:

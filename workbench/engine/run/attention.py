@@ -5,7 +5,7 @@ each request's KV slots read through `req_to_token`, honouring per call what the
 `scaling`, `sliding_window` (a query at position p sees positions p-window+1..p, as transformers'
 `sliding_window_overlay`), `softcap` (scores -> tanh(scores / cap) * cap, Gemma 2) and `s_aux`
 (one sink logit per head joining the softmax and then dropped, gpt-oss). Decode rows on CPU
-float32 go through the native paged kernel (cpu_kernels.py: windows, soft-cap and sinks included)
+float32 go through the native paged kernel (kernels/decode_attention.py: windows, soft-cap and sinks included)
 when it could be built; extend rows and the fallback gather the slots and attend with
 `scaled_dot_product_attention`, or with transformers' eager arithmetic where sdpa cannot express
 the layer. variants.py refuses at load what this does not implement. The unmodified HF model calls
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workbench.engine.run import cpu_kernels
+from workbench.engine.kernels import decode_attention
 
 ATTN_NAME = "workbench"
 
@@ -112,9 +112,9 @@ def _decode(meta, kv, layer: int, query: torch.Tensor, out: torch.Tensor, scale:
     """The decode block: one query per row at position lens[b]-1 over that row's KV slots."""
     d0 = meta.decode_start
     q = query[0, :, d0:].transpose(0, 1)  # [Bd, H, D]
-    if cpu_kernels.decode_attention(q.contiguous(), kv.k[layer], kv.v[layer], meta.decode_kv_idx, meta.decode_lens,
+    if decode_attention.decode_attention(q.contiguous(), kv.k[layer], kv.v[layer], meta.decode_kv_idx, meta.decode_lens,
                                     out[0, d0:], scale, window=window, softcap=softcap, sinks=sinks):
-        return  # read the pool in place, no gather (cpu_kernels.py)
+        return  # read the pool in place, no gather (kernels/decode_attention.py)
     q = q.unsqueeze(2)  # [Bd, H, 1, D]
     idx = meta.decode_kv_idx  # [Bd, L]; index_select is ~3x faster than advanced indexing here
     shape = (*idx.shape, *kv.k[layer].shape[1:])

@@ -1,36 +1,28 @@
 """The direct forward: transformers' own decoder forward, op for op, without the module dispatch.
 
-In exact mode a decode step's Python is mostly not the engine's: `nn.Module.__call__` (hook
-dispatch, ~400 calls a step for a 30-layer model) and transformers' decorators (`deprecate_kwarg`,
-`capture_outputs`, `merge_with_config_defaults`, the causal-mask builder) cost 5-6 ms a step on
-these CPUs whatever the batch size: 9-11% of a batch-1 step. `forward` here calls the same torch
-ops, on the same tensors, in the same order as `LlamaForCausalLM.forward` does (or Mistral's,
-Qwen2's, Qwen3's: the same layer code plus a `sliding_window` keyword and Qwen3's q/k norms;
-the container modules' bodies inlined; every leaf module, the packed linears included, through its own
-`forward`; the attention function looked up by name as transformers does), so it computes the same
-bits by construction, and the runner checks that before using it:
+Owns: `forward`, which calls the same torch ops on the same tensors in the same order as
+`LlamaForCausalLM.forward` (or Mistral's, Qwen2's, Qwen3's: the same layer code plus a
+`sliding_window` keyword and Qwen3's q/k norms; the container modules' bodies inlined; every leaf
+module, the packed linears included, through its own `forward`; the attention function looked up
+by name as transformers does), skipping `nn.Module.__call__`'s hook dispatch and transformers'
+decorators (what they cost per step is in BENCHMARKS.md); and the three questions the runner asks
+before using it:
 
-- `refusal(model)` at load: only transformers' own classes of those four families (the
-  containers' code is what is inlined here); anything else keeps the model's forward.
-- `verify(...)` at load: three forwards (extend, mixed extend+decode, decode) on scratch KV through
-  both paths; the logits, every layer's K/V and the keywords each layer passes to attention must
-  be identical, else it is not used.
+- `refusal(model)`: only transformers' own classes of those four families (the containers' code
+  is what is inlined here); anything else keeps the model's forward.
+- `checked(...)`: the checked replacement `forward.direct` (engine/kernels/registry.py): three
+  forwards (extend, mixed extend+decode, decode) on scratch KV through both paths (`verify`); the
+  logits, every layer's K/V and the keywords each layer passes to attention must be identical.
+  The verdict is kept per model object and, when passed, in the kernels' verdict store.
 - `blocked(...)` per forward: a hook on any module (capture, a notebook's own hooks), training
   mode, or a container whose forward was replaced (fast mode's wrappers) means the model's own
   forward runs that step.
-
-The verdict is in `ModelRunner.kernel_report()["checks"]["direct_forward"]`, so the trace's engine
-config says which forward ran and why. A passed check is kept on disk (`checked`), keyed like the
-attention probe's result (variants_store.py: weights, config, modeling code, library versions) plus
-this file's source, so a warm load of the same model runs no check forward (0.5 s for SmolLM2 on
-a 2-core VM); `WORKBENCH_PROBE_CACHE=0` checks on every load.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -39,6 +31,9 @@ from typing import Any
 
 import torch
 from torch.nn.modules import module as nn_module
+
+from workbench.engine.kernels import BOOK, Verdict
+from workbench.engine.kernels.book import model_environment
 
 DIRECT = "direct forward (transformers' decoder ops without module dispatch)"
 
@@ -274,28 +269,16 @@ def verify(model: torch.nn.Module, own: Any, num_layers: int, kv_heads: int, hea
                       "an extend, a mixed and a decode forward"}
 
 
-def checked(model: torch.nn.Module, content_hash: str, check: Any) -> dict[str, Any]:
-    """`check()` (a `verify` result), or the passed result an earlier load of this same model, code
-    and libraries kept on disk; adds `"source"`: "checked in this process" or "cached check from
-    <date>". Only a passed check is kept: a model that failed is checked again on every load."""
-    from workbench.engine.run import variants_store
+NAME = "forward.direct"  # its entry in engine/kernels/registry.py
 
-    store = variants_store.default_store()
-    if store is None:
-        return {**check(), "source": "checked in this process"}
-    # the attention probe's key, with this file's source in place of the probe's
-    env = {**variants_store.environment(model, content_hash), "probe_code_sha256": variants_store.source_sha(verify)}
-    path = variants_store.VariantStore(store.folder.parent / "direct_forward").path(env)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = None
-    if (isinstance(data, dict) and data.get("environment") == env and data.get("identical") is True
-            and isinstance(data.get("detail"), str) and isinstance(data.get("checked_at"), str)):
-        return {"identical": True, "forwards": 0, "seconds": 0.0, "detail": data["detail"],
-                "source": f"cached check from {data['checked_at']}"}
-    result = check()
-    if result["identical"]:
-        variants_store.write_json(path, {"environment": env, "identical": True, "detail": result["detail"],
-                                         "checked_at": variants_store.now_utc()})
-    return {**result, "source": "checked in this process"}
+
+def checked(model: torch.nn.Module, content_hash: str, check: Any) -> Verdict:
+    """The verdict on the direct forward for `model` (`check()` returns a `verify` result): kept for
+    this model object, else kept on disk by an earlier load of this same model, code and libraries
+    (passed checks only: a model that failed is checked again on every load), else checked now."""
+    def run() -> Verdict:
+        result = check()
+        return Verdict(result["identical"], result["detail"],
+                       {"forwards": result["forwards"], "seconds": result["seconds"]})
+
+    return BOOK.decide(NAME, (content_hash,), run, about=model, env=lambda: model_environment(NAME, model, content_hash))

@@ -1,16 +1,15 @@
 """`kernels="fast"`: an explicit, opt-in mode that trades transformers' exact numbers for speed on CPU.
 
-The default (`kernels="exact"`) runs the unmodified model; its native paths are used only where
-fastpath.py found them bit-identical (or, for multi-row decode attention, where the torch path has
-no single result to be identical to). This module is the other mode, which changes the numbers on
-purpose and says so in every trace (the engine config's `kernels` and `cpu_kernels.checks["fast"]`):
+The default (`kernels="exact"`) runs the unmodified model; its replacements run only where their
+checks passed (engine/kernels/: bit-identical, or for multi-row decode attention within a stated
+tolerance). This module is the other mode, which changes the numbers on purpose, is not a checked
+replacement, and says so in every trace (the engine config's `kernels` and `cpu_kernels.checks["fast"]`):
 
 - **bf16 GEMMs**: every `nn.Linear` computes in bfloat16 (weights rounded to bf16 once, at load;
   activations rounded at each GEMM's input; the result widened back to float32). The residual
-  stream, norms, softmax, attention and the KV cache stay float32. On a CPU with AVX512-BF16
-  (oneDNN's bf16 GEMM) this is 2-3x faster than the fp32 GEMM at 8-32 rows and moves half the
-  bytes at one row; on a CPU without it torch emulates bf16 and it is slower (`report()` says
-  which this CPU has; nothing switches back by itself).
+  stream, norms, softmax, attention and the KV cache stay float32. It pays only on a CPU with a
+  native bf16 GEMM (AVX512-BF16 / AMX in oneDNN); elsewhere torch emulates bf16 (`report()` says
+  which this CPU has; nothing switches back by itself; BENCHMARKS.md has the numbers).
 - **Fused MLP**: gate and up projections as one GEMM over their concatenated weight, then SiLU and
   the multiply in place (2 GEMM calls instead of 3, 2 temporaries instead of 4).
 - **RMSNorm** through torch's one fused `rms_norm` op instead of transformers' six ops.
@@ -122,7 +121,7 @@ class _Weights:
 
 class _Wrapped:
     """A module's forward replaced by a fast one: `exact(x)` is the forward it replaced (an instance
-    forward such as cpu_kernels.PackedLinear, or the class's own), which runs whenever fast mode is off."""
+    forward such as kernels/gemm.PackedLinear, or the class's own), which runs whenever fast mode is off."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self._module = weakref.ref(module)
@@ -138,7 +137,7 @@ class _Wrapped:
 
 class FastLinear(_Wrapped):
     """One `nn.Linear`'s forward: in fast mode `bf16(x) @ W_fast.T (+ b)` widened to float32;
-    otherwise the forward it replaced (a cpu_kernels.PackedLinear or `F.linear`), unchanged."""
+    otherwise the forward it replaced (a kernels/gemm.PackedLinear or `F.linear`), unchanged."""
 
     def add(self, mode: str) -> None:
         if mode not in self.by_mode:

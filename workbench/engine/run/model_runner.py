@@ -1,16 +1,15 @@
 """ModelRunner: runs the unmodified transformers model on a ForwardBatch and returns logits.
 
-Owns: switching the HF model to the "workbench" attention function, the packed forward call
-(`input_ids [1, N]`, per-token `position_ids`, `logits_to_keep` for the rows that need logits) and
-early-exit forwards for self-drafting, and on CPU float32 routing the model's `nn.Linear` layers
-through MKL-packed weights (`cpu_kernels.pack_linears`; the modules and weights are unchanged),
-with the load-time checks that decide where those kernels may run (fastpath.py, `kernel_report`),
-and asking each layer's attention variant (variants.py, cached by variants_store.py). In exact
-mode a transformers Llama runs through exact_forward.py's direct forward (the same ops without the
-module dispatch) once its load-time check found it bit-identical to the model's own forward.
-With `kernels="fast"` (opt-in, not transformers' numbers) it also wraps the linears, MLPs and norms
-with fastmode.py's bf16 / fused forwards and switches them on around each of its forwards.
-Does not own: KV allocation (forward_batch.py) or sampling.
+Owns: switching the HF model to the "workbench" attention function (after asking each layer's
+attention variant, variants.py), the packed forward call (`input_ids [1, N]`, per-token
+`position_ids`, `logits_to_keep` for the rows that need logits) and early-exit forwards for
+self-drafting; which of the checked replacements (engine/kernels/) it puts in place at load: on
+CPU float32 the model's `nn.Linear` layers through kernels/gemm.py (the modules and weights are
+unchanged) and the decode-attention kernel's check, in exact mode the direct forward
+(exact_forward.py) where its check passed, and `kernel_report()`, their one section of the engine
+config. With `kernels="fast"` (opt-in, not transformers' numbers) it also wraps the linears, MLPs
+and norms with fastmode.py's bf16 / fused forwards and switches them on around each of its forwards.
+Does not own: KV allocation (forward_batch.py), sampling, or any verdict (kernels/book.py).
 """
 
 from __future__ import annotations
@@ -19,7 +18,8 @@ from typing import Any
 
 import torch
 
-from workbench.engine.run import attention, cpu_kernels, exact_forward, fastmode, fastpath, variants_store
+from workbench.engine.kernels import BOOK, decode_attention, gemm, native
+from workbench.engine.run import attention, exact_forward, fastmode, variants
 from workbench.engine.run.forward_batch import ForwardBatch
 from workbench.models.loader import LoadedModel
 
@@ -35,7 +35,7 @@ class ModelRunner:
         self.model = loaded.model
         # what each layer asks of attention; refuses (ValueError) what attention.py does not compute.
         # A model probed before (same weights, config, code and versions) reuses that probe's result.
-        self.variants, self.variants_source = variants_store.variants_for(self.model, loaded.content_hash)
+        self.variants, self.variants_source = variants.variants_for(self.model, loaded.content_hash)
         self.model.set_attn_implementation(attention.ATTN_NAME)
         self.config = self.model.config
         self.device = loaded.device
@@ -46,12 +46,12 @@ class ModelRunner:
         self.head_dim = int(getattr(self.config, "head_dim", None)
                             or self.config.hidden_size // self.config.num_attention_heads)
         self.max_context_len = int(getattr(self.config, "max_position_embeddings", 4096))
-        # CPU float32: nn.Linear through MKL-packed weights, same results as F.linear (cpu_kernels.py)
-        self.packed_bytes = cpu_kernels.pack_linears(self.model) if self.device == "cpu" else 0
+        # CPU float32: nn.Linear through MKL-packed weights, same results as F.linear (kernels/gemm.py)
+        self.packed_bytes = gemm.pack_linears(self.model) if self.device == "cpu" else 0
         self.cpu_fp32 = self.device == "cpu" and self.dtype == torch.float32
         if self.cpu_fp32:
             heads = int(self.config.num_attention_heads)
-            cpu_kernels.check_attention(heads, self.kv_heads, self.head_dim)
+            decode_attention.check_attention(heads, self.kv_heads, self.head_dim)
         # fast mode's wrappers go on after the packed linears (they call those when the mode is off)
         self.fast = fastmode.install(self.model, self.kernels) if self.kernels != "exact" else None
         # exact mode: the direct forward where the model's family is one it inlines and the check passed
@@ -65,33 +65,29 @@ class ModelRunner:
         self.forwards: dict[str, Any] = {"direct": 0, "model": 0}
 
     def _check_direct(self) -> dict[str, Any]:
-        """exact_forward.py's verdict for this model: its classes asked now, the check once per
-        model object (engines share models)."""
+        """Whether the direct forward runs and why: its classes asked now, its check (kernels' book:
+        once per model object, engines share models) where they are ones it inlines."""
         why = exact_forward.refusal(self.model)  # asked every time: modules may have been swapped since
         if why is not None:
             return {"used": False, "why": why}
-        cached = self.model.__dict__.get("_workbench_direct")
-        if cached is None:
-            check = exact_forward.checked(self.model, self.loaded.content_hash, lambda: exact_forward.verify(
-                self.model, self._model_forward, self.num_layers, self.kv_heads, self.head_dim, self.dtype,
-                self.device))
-            cached = {"used": check["identical"], "why": check["detail"], "source": check["source"],
-                      "check_seconds": check["seconds"]}
-            self.model.__dict__["_workbench_direct"] = cached
-        return cached
+        verdict = exact_forward.checked(self.model, self.loaded.content_hash, lambda: exact_forward.verify(
+            self.model, self._model_forward, self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device))
+        return {"used": verdict.ok, "why": verdict.detail}
 
     def kernel_report(self, counts: bool = True) -> dict[str, Any]:
-        """Which native paths may run and why, for the engine config / trace meta. The first two keys
-        are the ones older readers know; "checks" is fastpath.py's verdicts on this CPU so far, and
-        whether the direct forward runs (with `counts`, how many forwards each path ran so far: the
-        engine config, written at load, leaves them out)."""
-        checks = fastpath.CHECKS.report()
-        checks["direct_forward"] = {**self.direct, "what": exact_forward.DIRECT}
+        """Which replacements may run and why, for the engine config / trace meta. The first two keys
+        are the ones older readers know; "checks" is the one section of every checked replacement
+        (kernels/book.py: the switch, the store, and per replacement what it is and its verdicts so
+        far, this model's for the per-model ones), with the direct forward's state now (with `counts`,
+        how many forwards each path ran so far: the engine config, written at load, leaves them out)
+        and, in fast mode, what fast mode changes."""
+        direct = dict(self.direct)
         if counts:
-            checks["direct_forward"]["forwards"] = dict(self.forwards)
+            direct["forwards"] = dict(self.forwards)
+        checks = BOOK.report(about=self.model, state={exact_forward.NAME: direct})
         if self.fast is not None:
             checks["fast"] = fastmode.report(self.kernels, self.fast)
-        return {"decode_attention": self.cpu_fp32 and cpu_kernels.available(),
+        return {"decode_attention": self.cpu_fp32 and native.available(),
                 "packed_linear_bytes": self.packed_bytes, "checks": checks}
 
     @property

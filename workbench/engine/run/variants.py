@@ -7,6 +7,12 @@ record of each layer (what the trace and the TUI show); and refusing, with a Val
 model type and the feature, whatever the engine's attention function (attention.py) does not
 compute exactly as transformers does. Deciding from what the layers pass, not from model names,
 means a new family with a known trait works, and one with an unknown trait is refused.
+
+The probe's verdict is the checked replacement `attention.variants` (engine/kernels/registry.py):
+`variants_for` asks the kernels' book, which reads an accepted probe of this same model, code and
+library versions from the verdict store instead of probing again (a refused model is probed, and
+refused, on every load). What the key cannot see is a model changed in memory after loading (a
+monkeypatched layer): code that does that calls `probe` itself, or sets the switch's `fresh`.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+from workbench.engine.kernels import BOOK, Verdict
+from workbench.engine.kernels.book import model_environment
 
 PROBE_NAME = "workbench_probe"
 # keywords the engine's attention function computes (attention.py)
@@ -138,3 +147,39 @@ def trace_record(runner: Any, layer_limit: int | None) -> list[dict[str, Any]]:
     `{window, softcap, sinks, scaling}` of the runner that runs it, the target's or the drafter's."""
     return [{"window": v.window, "softcap": v.softcap, "sinks": v.sinks, "scaling": v.scaling}
             for v in runner.variants[:layer_limit]]
+
+
+NAME = "attention.variants"  # its entry in engine/kernels/registry.py
+
+
+def _valid(entry: Any, index: int) -> bool:
+    """One layer's record as `variants_for` keeps it (anything else means the file is not ours: re-probe)."""
+    if not isinstance(entry, dict) or set(entry) != {"layer", "window", "softcap", "sinks", "scaling"}:
+        return False
+    window, softcap, scaling = entry["window"], entry["softcap"], entry["scaling"]
+    return (entry["layer"] == index and type(entry["layer"]) is int
+            and (window is None or (type(window) is int and window >= 1))
+            and (softcap is None or type(softcap) is float)
+            and type(entry["sinks"]) is bool and type(scaling) is float)
+
+
+def variants_for(model: Any, content_hash: str) -> tuple[list[AttentionVariant], str]:
+    """Each layer's variant and where it came from ("checked in this process" or "cached from
+    <date>"): kept from an earlier load of this exact model, code and library versions, else by
+    `probe` (whose ValueError refuses the model). A cached result leaves the model's attention
+    implementation as it was; a probe leaves it on the probe: the caller sets its own next."""
+    layers = int(getattr(model.config, "num_hidden_layers", -1))
+
+    def check() -> Verdict:
+        found = probe(model)
+        return Verdict(True, f"{len(found)} layers: every attention keyword is one the engine computes",
+                       {"layers": [v.as_dict() for v in found]})
+
+    def valid(v: Verdict) -> bool:
+        found = v.facts.get("layers")
+        return (v.ok and isinstance(found, list) and len(found) == layers
+                and all(_valid(e, i) for i, e in enumerate(found)))
+
+    verdict = BOOK.decide(NAME, (content_hash,), check, about=model,
+                          env=lambda: model_environment(NAME, model, content_hash), valid=valid)
+    return [AttentionVariant(**e) for e in verdict.facts["layers"]], verdict.source

@@ -5,7 +5,7 @@ Owns: `first_argmax`. On CPU, `torch.argmax` over a `[32, 49152]` float batch is
 in two levels: the max of every block of `BLOCK` logits, the first block holding the row's max
 (argmax over the block maxima), then the first max inside that block. The first occurrence of the
 maximum is in the first block whose maximum it is, so the index is exactly `torch.argmax`'s, ties,
-NaN (argmax's maximum) and infinities included (tests/test_sampler.py compares the two). A tail of
+NaN (argmax's maximum) and infinities included (tests/engine/test_sampler.py compares the two). A tail of
 fewer than `BLOCK` logits is compared with the blocks' winner; an earlier index wins a tie.
 Below `MIN_ROWS` rows `torch.argmax` itself runs (the blocked pick's few extra ops cost more there).
 """

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench.engine.run import sample_kernels
+from workbench.engine.kernels import sampling
 from workbench.engine.sched.request import Req
 
 
@@ -55,7 +55,7 @@ def _ranks(lp: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
     each row, no `[R, V]` copy or mask) where it runs; else a row whose pick is its maximum (every
     greedy row) has rank 1 by definition, which one max-reduction shows, and only the other rows
     pay for the compare-and-count over the vocabulary. Both give the same ranks (NaN compares false)."""
-    counts = sample_kernels.count_above(lp, picked) if lp.dim() == 2 else None
+    counts = sampling.count_above(lp, picked) if lp.dim() == 2 else None
     if counts is not None:
         return counts + 1
     behind = (~(picked >= lp.amax(dim=-1))).nonzero().flatten()  # NaN anywhere: counted the long way

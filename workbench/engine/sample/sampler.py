@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from workbench.engine.run import sample_kernels
-from workbench.engine.run.sample_kernels import draw_formula
+from workbench.engine.kernels import sampling
+from workbench.engine.kernels.sampling import draw_formula
 from workbench.engine.sample import grammar as grammar_mod
 from workbench.engine.sample import logprobs as lp_mod
 from workbench.engine.sample.argmax import first_argmax
@@ -329,9 +329,9 @@ class Sampler:
         if u is None:
             u = self.uniforms(info)
         u = u.to(torch.float64).cpu()
-        # the float64 cumsum formula (sample_kernels.draw_formula), by the native kernel where it was found
+        # the float64 cumsum formula (kernels/sampling.draw_formula), by the native kernel where it was found
         # to give the same ids on this CPU; rows it leaves (NaN) and CPUs without it take the formula
-        ids = sample_kernels.sample_draw(probs.detach(), u)
+        ids = sampling.sample_draw(probs.detach(), u)
         if ids is None:
             ids = draw_formula(probs, u)
         elif bool((ids < 0).any()):

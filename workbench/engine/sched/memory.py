@@ -96,7 +96,7 @@ class KVPool:
     on it is written. Nothing reads a slot before it is written: attention reads only slots of
     positions already computed (written by `write` this step or an earlier one, or by `copy_kv`),
     except padding, which reads row 0, zeroed here (masked out, but a NaN there would turn the
-    masked softmax's `0 * v` into NaN). tests/test_engine_core.py fills every other row with NaN
+    masked softmax's `0 * v` into NaN). tests/engine/test_engine_core.py fills every other row with NaN
     and checks the tokens and logprobs do not change."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,

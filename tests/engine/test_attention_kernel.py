@@ -1,0 +1,155 @@
+"""The native paged decode-attention kernel: same numbers as gathering the slots and calling
+`scaled_dot_product_attention`, the same greedy tokens and logprobs in the engine with and without
+the native kernels, a clean fallback where it cannot be built, and a kernel outside sdpa's own
+rounding error refused at the check."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workbench.engine.engine import Engine
+from workbench.engine.kernels import Book, decode_attention, native
+from workbench.engine.kernels.gemm import PackedLinear
+from workbench.engine.kernels.torch_paths import disabled
+from workbench.engine.sample.sampling_params import SamplingParams
+
+NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
+
+
+def _reference(q, k_pool, v_pool, idx, lens, scale):
+    b, length = idx.shape
+    kvh, d = k_pool.shape[1:]
+    k = k_pool.index_select(0, idx.reshape(-1)).view(b, length, kvh, d).transpose(1, 2)
+    v = v_pool.index_select(0, idx.reshape(-1)).view(b, length, kvh, d).transpose(1, 2)
+    mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :]
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)[:, :, 0]
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 1, 16)])
+def test_kernel_matches_gather_plus_sdpa(heads, kv_heads, head_dim):
+    assert native.available()
+    gen = torch.Generator().manual_seed(heads)
+    slots, batch, length = 500, 7, 40
+    k_pool = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    v_pool = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    lens = torch.tensor([1, 40, 17, 2, 39, 25, 8])
+    idx = torch.randint(1, slots, (batch, length), generator=gen) * (torch.arange(length)[None] < lens[:, None])
+    q = torch.randn(batch, heads, head_dim, generator=gen) * 3  # peaked softmax rows too
+    out = torch.full((batch, heads, head_dim), float("nan"))
+    assert decode_attention.decode_attention(q, k_pool, v_pool, idx, lens, out, head_dim ** -0.5)
+    torch.testing.assert_close(out, _reference(q, k_pool, v_pool, idx, lens, head_dim ** -0.5), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+def test_kernel_refuses_slots_outside_the_pool_instead_of_reading_them():
+    pool = torch.randn(10, 2, 8)
+    q, out = torch.randn(2, 4, 8), torch.zeros(2, 4, 8)
+    for idx, lens in [(torch.tensor([[1, 2, 10], [1, 2, 3]]), torch.tensor([3, 2])),  # slot 10 of 10
+                      (torch.tensor([[1, 2, 3], [1, 2, 3]]), torch.tensor([4, 2])),  # longer than its row
+                      (torch.tensor([[1, -1, 3], [1, 2, 3]]), torch.tensor([3, 2]))]:
+        with pytest.raises(IndexError, match="outside the pool"):
+            decode_attention.decode_attention(q, pool, pool, idx, lens, out, 0.3)
+        assert not out.any()  # nothing written
+
+
+def test_kernel_declines_what_it_does_not_read():
+    q = torch.randn(2, 4, 8, dtype=torch.float64)
+    pool = torch.randn(10, 2, 8, dtype=torch.float64)
+    idx, lens = torch.ones(2, 3, dtype=torch.int64), torch.tensor([3, 2])
+    assert not decode_attention.decode_attention(q, pool, pool, idx, lens, torch.empty_like(q), 0.3)  # float64
+    q32, pool32 = q.float(), pool.float()
+    strided = torch.randn(2, 8, 4).transpose(1, 2)  # not contiguous
+    assert not decode_attention.decode_attention(strided, pool32, pool32, idx, lens, torch.empty(2, 4, 8), 0.3)
+    assert not decode_attention.decode_attention(q32[:, :3], pool32, pool32, idx, lens, torch.empty(2, 3, 8), 0.3)
+
+
+def test_without_a_compiler_the_engine_falls_back_with_a_warning(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "c_library", native.Once(native._load_c))
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))  # the one cache root: nothing built there yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.warns(UserWarning, match="kernel unavailable, using torch"):
+        assert native.load() is None
+    q = torch.randn(1, 2, 4)
+    assert not decode_attention.decode_attention(q, torch.randn(3, 2, 4), torch.randn(3, 2, 4),
+                                                 torch.ones(1, 2, dtype=torch.int64), torch.tensor([2]), q.clone(), 0.5)
+
+
+def _greedy(tiny, prompts, kernels: bool):
+    with Engine(tiny, trace_level="off", chunk_size=16) as engine:
+        used = engine.config.cpu_kernels  # what the trace's meta will say ran
+        assert used.decode_attention is kernels
+        assert (used.packed_linear_bytes > 0) is (kernels and native.mkl() is not None)
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True,
+                                                       logprobs=True))
+    return [o.token_ids for o in outs], [[t.logprob for t in o.logprobs] for o in outs]
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+def test_engine_tokens_and_logprobs_agree_with_and_without_the_kernels(tiny):
+    prompts = ["The quick brown fox", "a" * 120, [{"role": "user", "content": "Name three rivers."}]]
+    assert native.available()
+    with_kernel = _greedy(tiny, prompts, kernels=True)
+    with disabled(tiny.model):
+        assert native.load() is None and not any(
+            isinstance(m.forward, PackedLinear) for m in tiny.model.modules())
+        without = _greedy(tiny, prompts, kernels=False)
+    assert native.load() is not None
+    assert with_kernel[0] == without[0]
+    for a, b in zip(with_kernel[1], without[1], strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+def _off_attention(shift: float, real=decode_attention._unchecked):
+    def kernel(q, k_pool, v_pool, idx, lens, out, scale):
+        real(q, k_pool, v_pool, idx, lens, out, scale)
+        out.add_(shift)
+    return kernel
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+def test_an_attention_kernel_outside_sdpas_error_is_refused_and_the_torch_path_runs(monkeypatch, tiny):
+    # Force the failing verification: a kernel off by 1e-3 everywhere (far outside sdpa's own
+    # rounding error). The check refuses it for every row count and the engine attends with torch.
+    monkeypatch.setattr(decode_attention, "BOOK", book := Book())
+    monkeypatch.setattr(decode_attention, "_unchecked", _off_attention(1e-3))
+    q, pool = torch.randn(3, 4, 8), torch.randn(10, 2, 8)
+    idx, lens = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]]), torch.tensor([3, 2, 1])
+    assert not decode_attention.decode_attention(q, pool, pool, idx, lens, torch.empty_like(q), 0.3)
+    assert not decode_attention.decode_attention(q[:1], pool, pool, idx[:1], lens[:1], torch.empty_like(q[:1]), 0.3)
+    one, several = (book.tables[n][(4, 2, 8)] for n in (decode_attention.ONE_ROW, decode_attention.BATCH))
+    assert not one.ok and not several.ok
+    (reported,) = book.report()["replacements"][decode_attention.BATCH]["verdicts"]
+    assert reported["key"] == {"heads": 4, "kv_heads": 2, "head_dim": 8} and "exceeds" in reported["detail"]
+    # The engine still computes what the torch path computes: the same tokens as with no kernels at all
+    prompts = ["The quick brown fox", [{"role": "user", "content": "Name three rivers."}]]
+    refused = _greedy(tiny, prompts, kernels=True)
+    with disabled(tiny.model):
+        without = _greedy(tiny, prompts, kernels=False)
+    assert refused == without
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+def test_the_attention_kernel_runs_for_several_rows_only_within_sdpas_error_and_one_row_only_if_identical(
+        monkeypatch):
+    monkeypatch.delenv("WORKBENCH_REPLACEMENTS", raising=False)
+    monkeypatch.setattr(decode_attention, "BOOK", book := Book())
+    decode_attention.check_attention(9, 3, 64)  # SmolLM2's layout, as ModelRunner checks it at load
+    one, several = (book.tables[n][(9, 3, 64)] for n in (decode_attention.ONE_ROW, decode_attention.BATCH))
+    v = several.facts
+    assert several.ok == (v["kernel_error"] <= 4 * v["torch_error"]) and v["torch_error"] > 0
+    assert one.ok == (one.facts["single_row_max_diff"] == 0.0)
+    # The kernel's own rounding stays within sdpa's here (it is a correct float32 attention):
+    assert several.ok
+    monkeypatch.setenv("WORKBENCH_REPLACEMENTS", "exact")  # identity demanded everywhere
+    monkeypatch.setattr(decode_attention, "BOOK", book := Book())
+    decode_attention.check_attention(9, 3, 64)
+    exact = book.tables[decode_attention.BATCH][(9, 3, 64)]
+    # "inf": some probe was not bit-identical
+    assert exact.ok == (exact.facts["kernel_error"] != "inf" and math.isfinite(exact.facts["kernel_error"]))
+    assert book.report()["switch"] == "WORKBENCH_REPLACEMENTS=exact"

@@ -1,0 +1,358 @@
+"""The GEMM fast paths (MKL's packed sgemm and the split GEMM for decode batches): each gives
+`F.linear`'s bits on whatever CPU runs it or is refused for that shape and row count, the fastest
+identical entrant of a timed race runs, verdicts and races are reused from disk, and the engine
+reports which kernel ran and why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench.engine.engine import Engine
+from workbench.engine.kernels import Book, Store, gemm, native
+from workbench.engine.sample.sampling_params import SamplingParams
+
+
+def _linear_stack(seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(96, 200, bias=False), torch.nn.Linear(200, 64, bias=True)).eval()
+
+
+NO_MKL = "PACKED GEMM NOT CHECKED: this torch has no MKL packed sgemm"
+
+
+def _count_calls(monkeypatch, method: str = "compute") -> list[int]:
+    """The row counts of every call to PackedLinear.`method` (compute: packed, split_compute: split)."""
+    calls: list[int] = []
+    compute = getattr(gemm.PackedLinear, method)
+
+    def counted(self, x2):
+        calls.append(x2.shape[0])
+        return compute(self, x2)
+
+    monkeypatch.setattr(gemm.PackedLinear, method, counted)
+    return calls
+
+
+@pytest.fixture
+def packed_only(monkeypatch):
+    """No split GEMM: the packed GEMM alone, as on one thread or where every split is refused."""
+    monkeypatch.setattr(gemm, "SPLIT_MAX_ROWS", 0)
+
+
+def _fixed_race(monkeypatch, ms: dict[str, float]) -> list[str]:
+    """The race as if each entrant took `ms[kind]` (nothing is run: which kernel wins on this CPU
+    is not what the calling test is about). Returns the entrants timed, in order."""
+    timed: list[str] = []
+
+    def fake(kind, fn, x):
+        timed.append(kind)
+        return ms[kind] / 1e3
+
+    monkeypatch.setattr(gemm, "_time", fake)
+    return timed
+
+
+def _by_shape(section: dict, name: str) -> dict[str, dict[str, list[int]]]:
+    """Per shape ("96->200", "200->64 +bias"), the row counts the GEMM replacement `name` passed
+    ("ok") and was refused at, from the report's one section."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for v in section["replacements"][name]["verdicts"]:
+        k = v["key"]
+        shape = f"{k['in_features']}->{k['out_features']}{' +bias' if k['bias'] else ''}"
+        out.setdefault(shape, {"ok": [], "refused": []})["ok" if v["ok"] else "refused"].append(k["rows"])
+    return out
+
+
+def _routes(section: dict) -> dict[str, dict[str, dict]]:
+    """Per shape and row count, what the race ran, its times and where that verdict came from."""
+    out: dict[str, dict[str, dict]] = {}
+    for v in section["replacements"]["linear.route"]["verdicts"]:
+        k = v["key"]
+        shape = f"{k['in_features']}->{k['out_features']}{' +bias' if k['bias'] else ''}"
+        out.setdefault(shape, {})[str(k["rows"])] = {"ran": v["facts"]["winner"], "ms": v["facts"]["ms"],
+                                                     "source": v["source"]}
+    return out
+
+
+@pytest.fixture
+def torch_threads():
+    """Sets torch's thread count for one test (the split GEMM needs two or more); restored after."""
+    saved = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture
+def kernels_win(monkeypatch):
+    """Every identical kernel wins the race against F.linear (the split one first), as on the AMD
+    EPYC these kernels were measured on."""
+    _fixed_race(monkeypatch, {gemm.SPLIT: 1.0, gemm.PACKED: 2.0, gemm.LINEAR: 3.0})
+
+
+@pytest.mark.skipif(native.mkl() is None, reason=NO_MKL)
+@pytest.mark.parametrize("rows", [1, 7, 16, 33, 100, 200])
+def test_packed_linears_give_exactly_what_f_linear_gives(rows, monkeypatch, packed_only, kernels_win):
+    # On any CPU: the output is F.linear's bit for bit (greedy parity with transformers relies on
+    # it). The packed GEMM runs only at the row counts this CPU's check found identical.
+    calls = _count_calls(monkeypatch)
+    checks = Book()
+    plain, packed = _linear_stack(0), _linear_stack(0)
+    assert gemm.pack_linears(packed, book=checks) > 0
+    assert all(isinstance(m.forward, gemm.PackedLinear) for m in packed)
+    x = torch.randn(2, rows, 96) * 4
+    n = 2 * rows
+    with torch.inference_mode():
+        ready = [m.forward.packed is not None for m in packed]  # packed at load by the check itself
+        assert torch.equal(packed(x), plain(x))
+        first = calls.count(n)
+        assert torch.equal(packed(x * 2), plain(x * 2))
+    verdicts = {(k[0], k[1]): v.ok for k, v in checks.tables["linear.packed"].items() if k[3] == n}
+    if not gemm.PACKED_MIN_ROWS <= n <= gemm.PACKED_MAX_ROWS:
+        assert not verdicts and n not in calls  # outside the packed range nothing is packed, nothing checked
+    else:
+        assert set(verdicts) == {(200, 96), (64, 200)}  # both shapes checked at exactly these rows
+        # each shape's check computed once at n rows; the first forward used the packed GEMM iff
+        # identical and already packed (packing may never pay off), the second iff identical
+        ok = [verdicts[(m.out_features, m.in_features)] for m in packed]
+        assert first == len(verdicts) + sum(o and r for o, r in zip(ok, ready, strict=True))
+        assert calls.count(n) == first + sum(ok)
+    with torch.inference_mode():
+        assert torch.equal(packed(x[:, ::2]), plain(x[:, ::2]))  # a strided input is made contiguous first
+
+
+@pytest.mark.skipif(native.mkl() is None, reason=NO_MKL)
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 5, 15, 16, 40, 64])
+def test_split_gemms_for_decode_batches_give_exactly_what_f_linear_gives(rows, threads, monkeypatch, kernels_win,
+                                                                          torch_threads):
+    # On any CPU: 1-64 rows (decode batches) come out as F.linear's bits, and the split GEMM ran
+    # exactly for the shapes this CPU's check found identical (with 3 threads, 64 output rows do
+    # not split in three: not split, not checked).
+    calls = _count_calls(monkeypatch, "split_compute")
+    torch_threads(threads)
+    checks = Book()
+    plain, split = _linear_stack(6), _linear_stack(6)
+    assert gemm.pack_linears(split, book=checks) > 0
+    at_load = {(k[0], k[1]) for k in checks.tables["linear.split"]}
+    assert at_load == {(m.out_features, m.in_features) for m in split if m.out_features % threads == 0}
+    calls.clear()
+    x = torch.randn(rows, 96) * 4
+    with torch.inference_mode():
+        assert torch.equal(split(x), plain(x))
+        assert torch.equal(split(x[None] * 3), plain(x[None] * 3))  # [1, rows, in] the same
+    verdicts = {(k[0], k[1]): v.ok for k, v in checks.tables["linear.split"].items() if k[3] == rows}
+    assert set(verdicts) == {(m.out_features, m.in_features) for m in split if m.out_features % threads == 0}
+    runs = sum(verdicts.values())  # once per identical layer per forward, plus each check's own compute
+    at_load_rows = rows in (1, 16, 32)  # checked at load (LOAD_TIME_ROWS), before `calls.clear()`
+    assert calls.count(rows) == 2 * runs + (0 if at_load_rows else len(verdicts))
+
+
+@pytest.mark.skipif(native.mkl() is None, reason=NO_MKL)
+def test_a_split_gemm_that_differs_from_f_linear_is_refused_and_f_linear_runs(monkeypatch, torch_threads):
+    compute = gemm.PackedLinear.split_compute
+
+    def off_by_one_ulp(self, x2):
+        y = compute(self, x2)
+        y[-1, -1] = torch.nextafter(y[-1, -1], torch.tensor(float("inf")))
+        return y
+
+    monkeypatch.setattr(gemm.PackedLinear, "split_compute", off_by_one_ulp)
+    torch_threads(2)
+    checks = Book()
+    plain, split = _linear_stack(7), _linear_stack(7)
+    gemm.pack_linears(split, book=checks)
+    x = torch.randn(3, 96)
+    with torch.inference_mode():
+        assert torch.equal(split(x), plain(x))  # the wrong kernel never reaches the output
+    report = checks.report()
+    split, packed = _by_shape(report, "linear.split"), _by_shape(report, "linear.packed")
+    for shape in ("96->200", "200->64 +bias"):  # 1, 16 and 32 rows at load, 3 on first use
+        assert split[shape] == {"ok": [], "refused": [1, 3, 16, 32]}
+        # where the split is refused, decode batches of 16+ rows fall back to the packed GEMM's check
+        assert sorted(packed[shape]["ok"] + packed[shape]["refused"]) == [16, 32]
+    assert any(v["key"]["in_features"] == 200 and v["key"]["rows"] == 3 and "split GEMM differs" in v["detail"]
+               for v in report["replacements"]["linear.split"]["verdicts"])
+
+
+@pytest.mark.skipif(native.mkl() is None, reason=NO_MKL)
+def test_a_packed_gemm_that_differs_from_f_linear_is_refused_and_f_linear_runs(monkeypatch, packed_only):
+    # Force the failing verification: a packed GEMM that is off by one ulp in one element.
+    compute = gemm.PackedLinear.compute
+
+    def off_by_one_ulp(self, x2):
+        y = compute(self, x2)
+        y[0, 0] = torch.nextafter(y[0, 0], torch.tensor(float("inf")))
+        return y
+
+    monkeypatch.setattr(gemm.PackedLinear, "compute", off_by_one_ulp)
+    checks = Book()
+    plain, packed = _linear_stack(4), _linear_stack(4)
+    assert gemm.pack_linears(packed, book=checks) > 0
+    x = torch.randn(40, 96)
+    with torch.inference_mode():
+        assert torch.equal(packed(x), plain(x))  # the wrong kernel never reaches the output
+    assert checks.tables["linear.packed"] and not any(v.ok for v in checks.tables["linear.packed"].values())
+    report = checks.report()
+    for shape in ("96->200", "200->64 +bias"):  # checked at load (16, 32 rows) and on first use (40)
+        assert _by_shape(report, "linear.packed")[shape] == {"ok": [], "refused": [16, 32, 40]}
+    assert any(v["key"]["in_features"] == 200 and v["key"]["rows"] == 40 and "F.linear is used" in v["detail"]
+               for v in report["replacements"]["linear.packed"]["verdicts"])
+
+
+@pytest.mark.skipif(native.mkl() is None, reason=NO_MKL)
+def test_a_packed_model_is_freed_as_soon_as_it_is_dropped():
+    import weakref
+
+    model = _linear_stack(3)
+    assert gemm.pack_linears(model) > 0
+    with torch.inference_mode():
+        model(torch.randn(20, 96))
+    gone = weakref.ref(model)
+    del model  # no reference cycle through the packed forwards: freed now, not at the next GC pass
+    assert gone() is None
+
+
+@pytest.mark.skipif(native.mkl() is None, reason=NO_MKL)
+def test_packing_respects_its_memory_budget_and_runs_once():
+    model = _linear_stack(1)
+    assert gemm.pack_linears(model, budget_bytes=1000) == 0  # too big for the budget: untouched
+    assert not any(isinstance(m.forward, gemm.PackedLinear) for m in model)
+    first = gemm.pack_linears(model)
+    forwards = [m.forward for m in model]
+    assert first > 0 and gemm.pack_linears(model) == first  # a second Engine on the same model
+    assert [m.forward for m in model] == forwards
+    assert gemm.pack_linears(_linear_stack(2).double()) == 0  # float64: not packed
+
+
+@pytest.mark.skipif(native.mkl() is None, reason=NO_MKL)
+def test_a_second_load_reuses_the_verdicts_on_disk_and_packs_only_what_runs(tmp_path, monkeypatch, packed_only,
+                                                                           kernels_win):
+    calls = _count_calls(monkeypatch)
+
+    def stack():
+        torch.manual_seed(5)
+        return torch.nn.Sequential(*[torch.nn.Linear(96, 96) for _ in range(3)]).eval()
+
+    first = Book(Store(tmp_path))
+    assert gemm.pack_linears(stack(), book=first) > 0
+    assert len(calls) == 2  # one shape, checked at 16 and 32 rows on its first layer
+    assert {v["source"] for v in first.report()["replacements"]["linear.packed"]["verdicts"]} == \
+        {"checked in this process"}
+    second = Book(Store(tmp_path))  # the next process
+    model, plain = stack(), stack()
+    gemm.pack_linears(model, book=second)
+    assert len(calls) == 2  # nothing computed: the verdicts came from the file
+    assert not any(m.forward.packed is not None for m in model)  # and nothing packed yet
+    sources = [v["source"] for v in second.report()["replacements"]["linear.packed"]["verdicts"]]
+    assert len(sources) == 2 and all(s.startswith("cached from 20") for s in sources)
+    x = torch.randn(16, 96)
+    with torch.inference_mode():
+        one = torch.randn(1, 96)
+        assert torch.equal(model(one), plain(one))  # 1 row: F.linear, never packed
+        assert torch.equal(model(x), plain(x))  # first call at 16 rows: F.linear, nothing packed
+        assert not any(m.forward.packed is not None for m in model) and len(calls) == 2
+        assert torch.equal(model(x), plain(x))  # second: packed (where identical), bit for bit the same
+    identical = second.tables["linear.packed"][(96, 96, True, 16, torch.get_num_threads())].ok
+    assert all((m.forward.packed is not None) == identical for m in model)
+    for f in tmp_path.glob("*.json"):
+        f.write_text("{not json")  # a damaged file: ignored, checked again
+    third = Book(Store(tmp_path))
+    gemm.pack_linears(stack(), book=third)
+    assert len(calls) == 4 + 3 * identical
+
+
+@pytest.mark.skipif(native.mkl() is None, reason=NO_MKL)
+def test_an_identical_kernel_that_is_slower_than_f_linear_does_not_run(monkeypatch, torch_threads):
+    # Identity makes a kernel safe, not fast (on an Intel Xeon the split GEMM loses to F.linear at
+    # 1-8 rows): here F.linear wins at every row count, so neither kernel runs and nothing stays packed.
+    timed = _fixed_race(monkeypatch, {gemm.SPLIT: 2.0, gemm.PACKED: 3.0, gemm.LINEAR: 1.0})
+    split_calls, packed_calls = _count_calls(monkeypatch, "split_compute"), _count_calls(monkeypatch)
+    torch_threads(2)
+    checks = Book()
+    plain, model = _linear_stack(8), _linear_stack(8)
+    gemm.pack_linears(model, book=checks)
+    assert timed  # the load-time row counts were raced
+    split_calls.clear(), packed_calls.clear()
+    with torch.inference_mode():
+        for rows in (1, 16, 32):
+            x = torch.randn(rows, 96)
+            assert torch.equal(model(x), plain(x)) and torch.equal(model(x), plain(x))
+    assert split_calls == [] and packed_calls == []  # F.linear computed every one of them
+    assert all(m.forward.packed is None for m in model)  # packed for the check only, then let go
+    report = checks.report()
+    assert _by_shape(report, "linear.split")["96->200"]["ok"] == [1, 16, 32]  # identical: it was not that
+    routes = _routes(report)["96->200"]
+    assert {r: v["ran"] for r, v in routes.items()} == {"1": "F.linear", "16": "F.linear", "32": "F.linear"}
+    assert routes["16"]["ms"] == {"split": 2.0, "packed": 3.0, "F.linear": 1.0}
+
+
+@pytest.mark.skipif(native.mkl() is None, reason=NO_MKL)
+def test_the_race_runs_the_fastest_it_timed_and_a_second_load_reuses_it(tmp_path, monkeypatch, torch_threads):
+    # The real race on this CPU: whichever entrant won is the one with the best time, it is what
+    # computes those rows, and the next process takes the verdict from the file without timing.
+    split_calls, packed_calls = _count_calls(monkeypatch, "split_compute"), _count_calls(monkeypatch)
+    torch_threads(2)
+    checks = Book(Store(tmp_path))
+    plain, model = _linear_stack(9), _linear_stack(9)
+    gemm.pack_linears(model, book=checks)
+    routes = _routes(checks.report())
+    assert set(routes) == {"96->200", "200->64 +bias"} and all(set(r) == {"1", "16", "32"} for r in routes.values())
+    for rows in routes.values():
+        for v in rows.values():
+            assert v["ms"][v["ran"]] == min(v["ms"].values()) and "F.linear" in v["ms"]
+    split_calls.clear(), packed_calls.clear()
+    ready = [m.forward.packed is not None for m in model]  # a packed winner stays packed from its check
+    with torch.inference_mode():
+        x = torch.randn(32, 96)
+        for _ in range(2):  # else the packed GEMM runs from its layer's second call
+            assert torch.equal(model(x), plain(x))
+    ran = {f"{m.in_features}->{m.out_features}{' +bias' if m.bias is not None else ''}": m.forward.route(32)
+           for m in model}
+    assert split_calls.count(32) == 2 * sum(k == "split" for k in ran.values())
+    assert packed_calls.count(32) == sum((1 + r) * (k == "packed") for k, r in zip(ran.values(), ready, strict=True))
+    assert {n: k or "F.linear" for n, k in ran.items()} == {n: r["32"]["ran"] for n, r in routes.items()}
+    timed = _fixed_race(monkeypatch, {})  # any timing now would fail: ms has no entrant
+    second = Book(Store(tmp_path))
+    gemm.pack_linears(_linear_stack(9), book=second)
+    assert timed == []
+    again = _routes(second.report())
+    assert {n: {r: v["ran"] for r, v in rows.items()} for n, rows in again.items()} == \
+        {n: {r: v["ran"] for r, v in rows.items()} for n, rows in routes.items()}
+    assert all(v["source"].startswith("cached from 20") for rows in again.values() for v in rows.values())
+
+
+def test_the_verdict_file_is_keyed_by_what_the_verdicts_depend_on(monkeypatch):
+    from workbench.engine.kernels import BOOK, REGISTRY, environment
+
+    monkeypatch.delenv("WORKBENCH_REPLACEMENTS", raising=False)
+    here = BOOK.store.path(BOOK.environment(REGISTRY["linear.packed"]))
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert BOOK.store.path(BOOK.environment(REGISTRY["linear.packed"])) != here
+    assert environment.machine()["torch"].endswith("+other")
+    monkeypatch.setenv("WORKBENCH_REPLACEMENTS", "fresh")
+    assert BOOK.store is None
+    monkeypatch.delenv("WORKBENCH_REPLACEMENTS")
+    monkeypatch.setenv("WORKBENCH_FASTPATH_CACHE", "0")  # the old variable, an alias
+    assert BOOK.store is None
+
+
+@pytest.mark.skipif(native.mkl() is None, reason=NO_MKL)
+def test_the_engine_reports_which_kernels_ran_and_why(tiny):
+    with Engine(tiny, trace_level="off") as engine:
+        engine.generate(["a b c"] * 20, SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
+        report = engine.runner.kernel_report()
+    assert report["decode_attention"] is native.available()
+    assert report["packed_linear_bytes"] == engine.config.cpu_kernels.packed_linear_bytes > 0
+    packed = _by_shape(report["checks"], "linear.packed")
+    split = _by_shape(report["checks"], "linear.split")
+    # this model's shapes (the report is the process's: other tests' models are in it too)
+    mine = {f"{m.in_features}->{m.out_features}{' +bias' if m.bias is not None else ''}"
+            for m in tiny.model.modules() if isinstance(m, torch.nn.Linear)}
+    assert f"{tiny.model.config.hidden_size}->{tiny.model.config.vocab_size}" in mine  # lm_head too
+    for name in mine:  # 1, 16 and 32 rows at load, 20 (the decode batch) on first use: split, else packed
+        decided = set(sum(split.get(name, {}).values(), []))
+        refused = set(split.get(name, {}).get("refused", []))
+        decided |= set(sum(packed.get(name, {}).values(), []))
+        assert decided >= ({1, 16, 20, 32} if torch.get_num_threads() > 1 else {16, 20, 32}), name
+        assert set(sum(packed.get(name, {}).values(), [])) >= refused & {16, 20, 32}, name

@@ -1,0 +1,85 @@
+"""The sampler's native kernels (engine/kernels/sampling.py): the inverse-CDF draw picks exactly
+the tokens its float64-cumsum formula picks, the rank count gives exactly the compare-and-count's
+ranks, and a kernel that differs is refused and the formula runs."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from workbench.engine.kernels import Book
+from workbench.engine.kernels import sampling as sample_kernels
+from workbench.engine.kernels.sampling import draw_formula
+from workbench.engine.sample import logprobs
+from workbench.engine.sample.sampler import Sampler
+
+NO_COMPILER = shutil.which("cc") is None and shutil.which("gcc") is None
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+@pytest.mark.parametrize("vocab", [1, 2, 7, 1000, 49152])
+@pytest.mark.parametrize("temperature", [0.05, 1.0, 5.0])
+def test_the_native_draw_picks_exactly_the_tokens_the_float64_cumsum_formula_picks(vocab, temperature):
+    # Seeded sampling is replayable only if the same uniform picks the same token: the kernel must
+    # agree with the formula on every row, at the ends of [0, 1) and where top-k / top-p zeroed tails.
+    gen = torch.Generator().manual_seed(vocab + int(temperature * 100))
+    logits = torch.randn(64, vocab, generator=gen) * 3 / temperature
+    logits[:16, max(1, vocab // 4):] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
+    u = torch.rand(64, generator=gen, dtype=torch.float64)
+    u[:4] = torch.tensor([0.0, 2.0 ** -60, 0.5, 1.0 - 2.0 ** -53], dtype=torch.float64)
+    got = sample_kernels.sample_draw(probs, u)
+    assert got is not None  # built, and identical on this CPU's probes
+    assert torch.equal(got, draw_formula(probs, u))
+    strided = torch.softmax(torch.randn(8, vocab + 5, generator=gen), dim=-1)[:, :vocab]  # rows apart in memory
+    assert torch.equal(sample_kernels.sample_draw(strided, u[:8]), draw_formula(strided, u[:8]))
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+def test_rows_with_nan_and_a_refused_draw_kernel_take_the_formula(monkeypatch):
+    probs = torch.softmax(torch.randn(6, 300), dim=-1)
+    probs[2, 17] = float("nan")
+    u = torch.rand(6, dtype=torch.float64)
+    ids = sample_kernels.sample_draw(probs, u)
+    assert ids[2] == -1 and torch.equal(ids[[0, 1, 3, 4, 5]], draw_formula(probs, u)[[0, 1, 3, 4, 5]])
+    # a kernel one token off is refused by its check, and nothing calls it after
+    checks = Book()
+    monkeypatch.setattr(sample_kernels, "BOOK", checks)
+    real = sample_kernels._unchecked_draw
+    monkeypatch.setattr(sample_kernels, "_unchecked_draw", lambda p, u: (real(p, u) + 1).clamp(max=p.shape[1] - 1))
+    assert sample_kernels.sample_draw(probs, u) is None
+    verdict = checks.tables["sample.draw"][()]
+    assert not verdict.ok and verdict.facts["mismatches"] > 0
+    (reported,) = checks.report()["replacements"]["sample.draw"]["verdicts"]
+    assert reported["detail"].startswith("torch: the kernel differed") and not reported["ok"]
+    got, _ = Sampler().draw(probs[[0, 1]], _Greedy(2), u[[0, 1]])  # the sampler takes the formula
+    assert torch.equal(got, draw_formula(probs[[0, 1]], u[[0, 1]]))
+
+
+class _Greedy:
+    """The one field Sampler.draw reads of a SamplingBatchInfo: which rows are greedy (none)."""
+
+    def __init__(self, rows: int) -> None:
+        self.greedy = torch.zeros(rows, dtype=torch.bool)
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+@pytest.mark.parametrize("vocab", [1, 7, 49152])
+def test_token_ranks_by_the_native_count_equal_the_compare_and_count(vocab, monkeypatch):
+    # The rank the API reports (1 = the most likely token) for picked, sampled, tied, -inf and NaN
+    # picks comes out the same from the kernel as from the torch path it replaces.
+    gen = torch.Generator().manual_seed(vocab)
+    lp = torch.log_softmax(torch.randn(40, vocab, generator=gen).round(), dim=-1)  # rounded: ties
+    chosen = torch.randint(0, vocab, (40,), generator=gen)
+    chosen[:8] = lp[:8].argmax(-1)  # greedy rows
+    lp[9, 0] = float("nan")
+    lp[10] = float("-inf")
+    picked = lp.gather(1, chosen[:, None])[:, 0]
+    picked[11] = float("nan")
+    got = logprobs._ranks(lp, picked)
+    assert sample_kernels.count_above(lp, picked) is not None  # the kernel ran
+    monkeypatch.setattr(sample_kernels, "count_above", lambda lp, picked: None)
+    want = logprobs._ranks(lp, picked)  # the torch path
+    assert torch.equal(got, want) and torch.equal(got[:8], torch.ones(8, dtype=torch.int64))

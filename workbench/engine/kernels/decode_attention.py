@@ -1,0 +1,150 @@
+"""The paged decode-attention kernel (c/decode_attention.c) and its two checks.
+
+Owns: `decode_attention` (attending decode rows over the KV pool in place, read through
+`req_to_token`, where the torch path gathers a dense copy per layer first), and the checks of
+registry.py's `attention.decode_one_row` (at one row the torch path computes exactly what
+transformers computes, so the kernel must be bit-identical to it) and `attention.decode_batch`
+(at several rows the torch path's own bits depend on the batch's padding; the kernel's error
+against a float64 reference must be within `ERROR_FACTOR` times sdpa's own; the switch's `exact`
+value demands identity). Does not own: the torch path (run/attention.py) or the build (native.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from workbench.engine.kernels import native, switch
+from workbench.engine.kernels.book import BOOK
+from workbench.engine.kernels.verdict import Verdict
+
+ERROR_FACTOR = 4.0
+ONE_ROW, BATCH = "attention.decode_one_row", "attention.decode_batch"
+
+
+def check_attention(heads: int, kv_heads: int, head_dim: int) -> None:
+    """Decide the kernel for one and for several rows of this head layout now (load time) instead of
+    at the first decode step (both verdicts read one run of the probes)."""
+    if native.load() is not None:
+        for name in (ONE_ROW, BATCH):
+            BOOK.decide(name, (heads, kv_heads, head_dim), lambda n=name: _check(heads, kv_heads, head_dim,
+                                                                                 _unchecked, n))
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_idx: torch.Tensor,
+                     lens: torch.Tensor, out: torch.Tensor, scale: float, window: int | None = None,
+                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> bool:
+    """Attend `q [B, H, D]` over each row's first `lens[b]` KV slots `kv_idx[b]` of the pool
+    (`[slots, KVH, D]`), writing `out [B, H, D]`; with a sliding `window`, over only the last
+    `min(lens[b], window)` of them (the query is at position lens[b]-1); scores soft-capped by
+    `softcap`; `sinks [H]` adding one logit per head to the softmax (transformers' `s_aux`). False
+    (nothing written) where the kernel does not apply: not built, not CPU float32, a layout it does
+    not read, or not found fit for this head layout and row count by its check."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or k_pool.dtype != torch.float32:
+        return False
+    lib = native.load()
+    if lib is None:
+        return False
+    if not (q.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous() and out.is_contiguous()
+            and kv_idx.dtype == torch.int64 and lens.dtype == torch.int64 and kv_idx.stride(1) == 1
+            and lens.is_contiguous()):
+        return False
+    b, h, d = q.shape
+    kvh = k_pool.shape[1]
+    if sinks is not None:
+        sinks = sinks.detach().to(torch.float32).contiguous()
+        if sinks.shape != (h,) or sinks.device.type != "cpu":
+            return False
+    if (h % kvh or out.shape != q.shape or k_pool.shape[2] != d or v_pool.shape != k_pool.shape
+            or kv_idx.shape[0] != b or lens.shape[0] != b):
+        return False
+    name = ONE_ROW if b == 1 else BATCH
+    if not BOOK.decide(name, (h, kvh, d), lambda: _check(h, kvh, d, _unchecked, name)).ok:
+        return False  # not fit for this layout on this CPU: the torch path
+    _unchecked(q, k_pool, v_pool, kv_idx, lens, out, scale, window, softcap, sinks)
+    return True
+
+
+def _unchecked(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_idx: torch.Tensor,
+               lens: torch.Tensor, out: torch.Tensor, scale: float, window: int | None = None,
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
+    lib = native.load()
+    b, h, d = q.shape
+    kvh = k_pool.shape[1]
+    rc = lib.wb_decode_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), kv_idx.data_ptr(),
+                                 kv_idx.stride(0), lens.data_ptr(), out.data_ptr(), b, h, kvh, d, scale,
+                                 torch.get_num_threads(), k_pool.shape[0], int(window or 0), float(softcap or 0.0),
+                                 sinks.data_ptr() if sinks is not None else None)
+    if rc == -2:
+        raise IndexError("decode attention: a KV slot index or a row length is outside the pool / slot table")
+    if rc != 0:
+        raise MemoryError("decode attention kernel: out of memory for its score buffers")
+
+
+def _torch_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, idx: torch.Tensor,
+                  lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """What attention.py's torch path computes for decode rows: gather, masked sdpa. [B, H, D]"""
+    b, length = idx.shape
+    shape = (b, length, *k_pool.shape[1:])
+    k = k_pool.index_select(0, idx.reshape(-1)).view(shape).transpose(1, 2)
+    v = v_pool.index_select(0, idx.reshape(-1)).view(shape).transpose(1, 2)
+    mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :]
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)[:, :, 0]
+
+
+def measure(heads: int, kv_heads: int, head_dim: int, kernel) -> dict[str, float]:
+    """The kernel (`kernel(q, k_pool, v_pool, idx, lens, out, scale)`) against the torch path on
+    seeded probes: one row at a few lengths (`single_row_max_diff`), then a padded batch of mixed
+    lengths as the engine builds them (`kernel_error` and `torch_error` against float64; `kernel_error`
+    infinite under the switch's `exact` where the kernel is not bit-identical to the torch path)."""
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(heads * 1000 + kv_heads * 10 + head_dim)
+    scale = head_dim ** -0.5
+    single_diff, kernel_err, torch_err = 0.0, 0.0, 0.0
+    cases = [torch.tensor([n]) for n in (1, 7, 130)] + [torch.tensor([1, 40, 17, 200, 3, 99, 64, 128])]
+    with torch.inference_mode():
+        for lens in cases:
+            b, length = len(lens), int(lens.max())
+            k_pool = torch.randn(b * length + 1, kv_heads, head_dim, generator=gen)
+            v_pool = torch.randn(b * length + 1, kv_heads, head_dim, generator=gen)
+            idx = (torch.randperm(b * length, generator=gen) + 1).view(b, length)
+            idx = idx * (torch.arange(length)[None, :] < lens[:, None])  # padded positions read slot 0
+            q = torch.randn(b, heads, head_dim, generator=gen) * 3  # peaked softmax rows too
+            out = torch.empty_like(q)
+            kernel(q, k_pool, v_pool, idx, lens, out, scale)
+            ref = _torch_decode(q, k_pool, v_pool, idx, lens, scale)
+            if b == 1:
+                single_diff = max(single_diff, float((out - ref).abs().max()))
+                continue
+            exact = _torch_decode(q.double(), k_pool.double(), v_pool.double(), idx, lens, scale)
+            kernel_err = max(kernel_err, float((out.double() - exact).abs().max()))
+            torch_err = max(torch_err, float((ref.double() - exact).abs().max()))
+            if switch.exact() and not torch.equal(out, ref):
+                kernel_err = max(kernel_err, float("inf"))
+    return {"single_row_max_diff": single_diff, "kernel_error": kernel_err, "torch_error": torch_err,
+            "seconds": round(time.perf_counter() - start, 3)}
+
+
+_last: list = [None, None]  # the last measurement and what it was of: both checks read one run of the probes
+
+
+def _check(heads: int, kv_heads: int, head_dim: int, kernel, name: str) -> Verdict:
+    of = (heads, kv_heads, head_dim, kernel, switch.exact())
+    if _last[0] != of:
+        _last[:] = [of, measure(heads, kv_heads, head_dim, kernel)]
+    m = _last[1]
+    m = {k: v if v != float("inf") else "inf" for k, v in m.items()}  # facts are JSON (the trace's meta)
+    if name == ONE_ROW:
+        if m["single_row_max_diff"] == 0.0:
+            return Verdict(True, "kernel: bit-identical to the torch path at one row", m)
+        return Verdict(False, f"torch: the kernel differs from it by up to {m['single_row_max_diff']:.3g} at one "
+                       "row, where the torch path is exactly transformers' attention", m)
+    if m["kernel_error"] != "inf" and m["kernel_error"] <= ERROR_FACTOR * m["torch_error"]:
+        return Verdict(True, f"kernel: within {ERROR_FACTOR:g}x sdpa's own error (kernel {m['kernel_error']:.3g}, "
+                       f"sdpa {m['torch_error']:.3g} vs float64)", m)
+    if switch.exact():
+        return Verdict(False, "torch: the switch says exact and the kernel is not bit-identical", m)
+    return Verdict(False, f"torch: kernel error {float(m['kernel_error']):.3g} exceeds {ERROR_FACTOR:g}x sdpa's "
+                   f"{m['torch_error']:.3g}", m)

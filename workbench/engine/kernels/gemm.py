@@ -1,0 +1,259 @@
+"""The GEMM replacements of `F.linear` on CPU float32, their checks and the race between them.
+
+Owns: `PackedLinear` (one `nn.Linear`'s forward through MKL's packed weight, `compute`, or as one
+GEMM per thread over a slice of the weight's output rows, `split_compute`), `pack_linears` (routing
+a model's linears through it), and the three checked replacements of registry.py: `linear.packed`
+and `linear.split` (each bit-identical to `F.linear` for one weight shape, row count and thread
+count, checked on a seeded probe input: MKL picks its kernel by all three, so nothing is inferred
+from one row count to another) and `linear.route` (of the kernels found identical and `F.linear`
+itself, the fastest in a timed race on this CPU runs; every entrant computes the same bits).
+`verify_model` decides the common decode batch sizes at load; the rest are decided on first use.
+Does not own: loading MKL (native.py) or keeping verdicts (book.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from workbench.engine.kernels.book import BOOK, Book
+from workbench.engine.kernels.native import lock, mkl
+from workbench.engine.kernels.verdict import Verdict
+
+PACKED, SPLIT = "packed", "split"  # the two replacements of F.linear
+LINEAR = "F.linear"  # the op they replace, which the race also enters
+# where each may run (PackedLinear.route): split at 1-64 rows, packed at 16-256
+PACKED_MIN_ROWS, PACKED_MAX_ROWS, SPLIT_MAX_ROWS = 16, 256, 64
+LOAD_TIME_ROWS = (1, 16, 32)  # decode batch sizes checked before the first request (the rest on first use)
+RACE_REPEATS = 3  # timed calls per entrant (after one untimed), the best one counts
+NAMES = {PACKED: "linear.packed", SPLIT: "linear.split"}
+
+_ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
+
+
+def _probe(rows: int, in_features: int) -> torch.Tensor:
+    """The checks' seeded input: activations of both signs and a spread of magnitudes, like a hidden state."""
+    gen = torch.Generator().manual_seed(rows)
+    return torch.randn(rows, in_features, generator=gen) * torch.rand(rows, 1, generator=gen).mul(8)
+
+
+def _key(packed: PackedLinear, rows: int) -> tuple:
+    return (packed.out_features, packed.in_features, packed.module.bias is not None, rows, torch.get_num_threads())
+
+
+def linear_ok(book: Book, packed: PackedLinear, rows: int, kind: str = PACKED) -> bool:
+    """May `packed` compute `rows` rows through its packed weight (`kind` PACKED) or its split GEMM
+    (SPLIT)? Decided on first ask (book.py)."""
+    return book.decide(NAMES[kind], _key(packed, rows), lambda: _check_linear(packed, rows, kind)).ok
+
+
+def _check_linear(packed: PackedLinear, rows: int, kind: str) -> Verdict:
+    module = packed.module
+    x = _probe(rows, packed.in_features)
+    with torch.inference_mode():
+        want = F.linear(x, module.weight, module.bias)
+        got = packed.compute(x) if kind == PACKED else packed.split_compute(x)
+    if torch.equal(got, want):
+        return Verdict(True, f"{kind} GEMM bit-identical to F.linear", {"max_abs_diff": 0.0})
+    diff = float((got - want).abs().max())
+    return Verdict(False, f"{kind} GEMM differs from F.linear by up to {diff:.3g}; F.linear is used",
+                   {"max_abs_diff": diff})
+
+
+def fastest(book: Book, packed: PackedLinear, rows: int, kinds: tuple[str, ...]) -> str:
+    """The fastest, for `packed`'s shape at `rows` rows, of `kinds` (kernels found identical to
+    F.linear) and LINEAR itself: raced on first ask (keyed also by the entrants, so a changed
+    verdict races again)."""
+    if not kinds:
+        return LINEAR
+    entrants = (*kinds, LINEAR)
+    verdict = book.decide("linear.route", (*_key(packed, rows), "+".join(entrants)),
+                          lambda: _race(packed, rows, entrants),
+                          valid=lambda v: v.facts.get("winner") in entrants and isinstance(v.facts.get("ms"), dict))
+    return verdict.facts["winner"]
+
+
+def _race(packed: PackedLinear, rows: int, entrants: tuple[str, ...]) -> Verdict:
+    module = packed.module
+    x = _probe(rows, packed.in_features)
+    run = {SPLIT: packed.split_compute, PACKED: packed.compute,
+           LINEAR: lambda x: F.linear(x, module.weight, module.bias)}
+    best = dict.fromkeys(entrants, float("inf"))
+    with torch.inference_mode():
+        for kind in entrants:  # not counted: first-call costs (the packing itself) are not the kernel's speed
+            _time(kind, run[kind], x)
+        for _ in range(RACE_REPEATS):
+            for kind in entrants:
+                best[kind] = min(best[kind], _time(kind, run[kind], x))
+    winner = min(entrants, key=best.__getitem__)
+    ms = {k: round(t * 1e3, 4) for k, t in best.items()}
+    return Verdict(winner != LINEAR, f"{winner} ran fastest", {"winner": winner, "ms": ms})
+
+
+def _time(kind: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
+    """Seconds one call of `fn` (the entrant `kind`) takes."""
+    start = time.perf_counter()
+    fn(x)
+    return time.perf_counter() - start
+
+
+def verify_model(layers: list[PackedLinear], rows: tuple[int, ...] = LOAD_TIME_ROWS) -> float:
+    """Decide each distinct layer shape's kernel at the decode batch sizes `rows` now (load time):
+    `layer.route(rows)` runs whichever checks its choice needs. Returns the seconds it took."""
+    start = time.perf_counter()
+    seen: set[tuple[int, int, bool]] = set()
+    for p in layers:
+        shape = (p.out_features, p.in_features, p.module.bias is not None)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        for r in rows:
+            p.route(r)
+    return time.perf_counter() - start
+
+
+class PackedLinear:
+    """The forward of one `nn.Linear` through its MKL-packed weight (CPU float32, `PACKED_MIN_ROWS` to
+    `PACKED_MAX_ROWS` rows) or its split GEMM (1 to `SPLIT_MAX_ROWS` rows), each only at row counts
+    where its check found it bit-identical to `F.linear` and the race found it fastest.
+
+    The weight is packed when first needed, not at load: on the layer's second call in that row
+    range (the first one, and every call before, computes `F.linear`, which the check found
+    bit-identical), or when the check itself needs it: packing every layer of a model writes its
+    weights again (MKL's packed layout is padded), which a one-line generation never needs."""
+
+    def __init__(self, lib: ctypes.CDLL, module: torch.nn.Linear, book: Book = BOOK) -> None:
+        weight = module.weight.detach()
+        self.out_features, self.in_features = weight.shape
+        # a weak reference: the module holds this object as its forward, and a cycle would keep the
+        # model (and the packed copy) alive after its Engine is dropped, until the cyclic GC runs
+        self.lib, self._module, self.book = lib, weakref.ref(module), book
+        self.nbytes = lib.cblas_sgemm_pack_get_size(_B_MATRIX, 64, self.out_features, self.in_features)
+        self.packed: torch.Tensor | None = None  # packed by `_pack` when first needed
+        self.calls_in_range = 0
+        self._split: tuple[int, int, torch.Tensor] | None = None  # (parts, weight pointer, weight view)
+        # (rows, threads) -> route(rows): the per-call memo of this layer's verdicts (the book holds them)
+        self._routes: dict[tuple[int, int], str | None] = {}
+
+    def _pack(self) -> torch.Tensor:
+        with lock:
+            if self.packed is None:
+                packed = torch.empty(self.nbytes, dtype=torch.uint8)
+                weight = self._module().weight.detach()
+                self.lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 64, self.out_features, self.in_features,
+                                          1.0, weight.data_ptr(), self.in_features, packed.data_ptr())
+                self.packed = packed
+            return self.packed
+
+    @property
+    def module(self) -> torch.nn.Linear:
+        return self._module()
+
+    def compute(self, x2: torch.Tensor) -> torch.Tensor:
+        """`x2 [rows, in] -> [rows, out]` through the packed weight, unchecked (`linear_ok` checks it)."""
+        rows = x2.shape[0]
+        x2 = x2.contiguous()
+        packed = self.packed if self.packed is not None else self._pack()
+        bias = self._module().bias
+        # with a bias, C starts as the bias and the GEMM adds into it (beta = 1), as F.linear's addmm does
+        y = torch.empty((rows, self.out_features), dtype=torch.float32) if bias is None else \
+            bias.detach().expand(rows, self.out_features).contiguous()
+        self.lib.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, rows, self.out_features, self.in_features,
+                                     x2.data_ptr(), self.in_features, packed.data_ptr(), self.in_features,
+                                     0.0 if bias is None else 1.0, y.data_ptr(), self.out_features)
+        return y
+
+    def can_split(self) -> bool:
+        """Can the split GEMM run with this process's thread count (a slice per thread)?"""
+        parts = torch.get_num_threads()
+        return parts > 1 and self.out_features % parts == 0
+
+    def split_compute(self, x2: torch.Tensor) -> torch.Tensor:
+        """`x2 [rows, in] -> [rows, out]` as one GEMM per thread, each over a slice of the weight's
+        output rows (`torch.bmm` runs the slices in parallel), unchecked (`linear_ok` checks it).
+        The weight is not copied: the slices are a view of it."""
+        parts, module = torch.get_num_threads(), self._module()
+        weight, rows, n = module.weight.detach(), x2.shape[0], self.out_features
+        if self._split is None or self._split[:2] != (parts, weight.data_ptr()):  # a new thread count or weight
+            self._split = (parts, weight.data_ptr(), weight.view(parts, n // parts, self.in_features).transpose(1, 2))
+        x3 = x2.contiguous().unsqueeze(0).expand(parts, rows, self.in_features)
+        bias = module.bias
+        y = torch.bmm(x3, self._split[2]) if bias is None else \
+            torch.baddbmm(bias.detach().view(parts, 1, n // parts), x3, self._split[2])
+        return y.transpose(0, 1).reshape(rows, n)  # [parts, rows, n/parts] -> [rows, n]
+
+    def route(self, rows: int) -> str | None:
+        """Which kernel computes `rows` rows: SPLIT, PACKED or None (`F.linear`). The candidates
+        are the split GEMM up to SPLIT_MAX_ROWS and the packed one in its range, each only where
+        its check found it identical to `F.linear` on this CPU; of those and `F.linear`, the
+        fastest on this CPU runs (the race). Decided on first ask, then kept."""
+        key = (rows, torch.get_num_threads())
+        kind = self._routes.get(key, ())
+        if kind == ():
+            kinds = []
+            if 1 <= rows <= SPLIT_MAX_ROWS and self.can_split() and linear_ok(self.book, self, rows, SPLIT):
+                kinds.append(SPLIT)
+            if PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS and linear_ok(self.book, self, rows):
+                kinds.append(PACKED)
+            won = fastest(self.book, self, rows, tuple(kinds))
+            kind = self._routes[key] = None if won == LINEAR else won
+            if self.packed is not None and PACKED not in self._routes.values():
+                self.packed = None  # packed only for its check or the race: no row count runs it
+        return kind
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        module = self._module()
+        rows = x.numel() // self.in_features if x.shape[-1] == self.in_features else 0
+        kind = None if (not rows or x.dtype != torch.float32 or x.device.type != "cpu"
+                        or torch.is_grad_enabled()) else self.route(rows)
+        if kind is None:
+            return torch.nn.functional.linear(x, module.weight, module.bias)  # what nn.Linear.forward does
+        if kind == SPLIT:
+            return self.split_compute(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
+        if self.packed is None:
+            self.calls_in_range += 1
+            if self.calls_in_range < 2:  # bit-identical (checked), and packing may never pay off
+                return torch.nn.functional.linear(x, module.weight, module.bias)
+        return self.compute(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
+
+
+def pack_linears(model: torch.nn.Module, budget_bytes: int | None = None, book: Book = BOOK) -> int:
+    """Route every CPU float32 `nn.Linear` of `model` through a PackedLinear (once per model).
+    Returns the bytes the packed copies take once all are packed (each is packed when first needed),
+    0 when nothing was routed: no MKL, another device or dtype, or more than `budget_bytes` (default:
+    a quarter of the memory available now). The common decode batch sizes are decided now."""
+    if getattr(model, "_workbench_packed_bytes", None) is not None:
+        return model._workbench_packed_bytes
+    lib = mkl()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if lib is None or not linears or any(m.weight.device.type != "cpu" or m.weight.dtype != torch.float32
+                                         for m in linears):
+        return 0
+    need = sum(lib.cblas_sgemm_pack_get_size(_B_MATRIX, 64, *m.weight.shape) for m in linears)
+    if budget_bytes is None:
+        budget_bytes = _available_memory() // 4
+    if need > budget_bytes:
+        return 0
+    for m in linears:
+        m.forward = PackedLinear(lib, m, book)
+    verify_model([m.forward for m in linears])  # the common decode sizes now
+    model._workbench_packed_bytes = need
+    return need
+
+
+def _available_memory() -> int:
+    import os
+
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,65 @@
+"""Every replacement the engine may run in place of what the model asks for, in one table.
+
+Owns: `REGISTRY`, the declaration of each replacement (what it replaces, how it is checked, what
+its verdict depends on, where the verdict is kept: verdict.Replacement). The kernels and their
+checks live beside each other in their own modules and decide through book.BOOK under these names;
+adding a fast path is its kernel, its check and one entry here (docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+from workbench.engine.kernels.verdict import IDENTICAL, PER_LOAD, PER_OBJECT, Replacement, Within
+
+MACHINE = ("CPU model and flags", "torch version and build (MKL)", "kernel and check code")
+MODEL = ("model weights (content hash), config, class and modeling code", "transformers and torch versions",
+         "the replacement's code")
+GEMM = ("workbench.engine.kernels.gemm",)
+SHAPE_ROWS = ("out_features", "in_features", "bias", "rows", "threads")
+
+_ALL = [
+    Replacement("linear.packed", "F.linear (nn.Linear's forward)",
+                "MKL's packed GEMM (cblas_sgemm_compute on the weight packed once, kernels/gemm.py)",
+                IDENTICAL, SHAPE_ROWS, MACHINE, GEMM, native=True,
+                note="16-256 rows; MKL picks its kernel by shape, row count and threads, so each is checked"),
+    Replacement("linear.split", "F.linear (nn.Linear's forward)",
+                "one GEMM per thread over a slice of the weight's output rows (torch.bmm, kernels/gemm.py)",
+                IDENTICAL, SHAPE_ROWS, MACHINE, GEMM, native=True,
+                note="1-64 rows (decode batches), two or more threads, output rows divisible by them"),
+    Replacement("linear.route", "F.linear (nn.Linear's forward)",
+                "the fastest of F.linear and the kernels found identical to it (linear.packed, linear.split)",
+                IDENTICAL, (*SHAPE_ROWS, "entrants"), MACHINE, GEMM, native=True,
+                note="every entrant is bit-identical, so the race can only change speed: timed on this "
+                     "CPU, best of 3 calls each (ms in facts), the winner runs"),
+    Replacement("attention.decode_one_row",
+                "gather + scaled_dot_product_attention at one decode row (exactly transformers' attention)",
+                "the paged decode-attention C kernel (kernels/c/decode_attention.c)",
+                IDENTICAL, ("heads", "kv_heads", "head_dim"), MACHINE, ("workbench.engine.kernels.decode_attention",),
+                native=True, on_disk="none", note="checked in every process (milliseconds)"),
+    Replacement("attention.decode_batch", "gather + masked scaled_dot_product_attention at several decode rows",
+                "the paged decode-attention C kernel (kernels/c/decode_attention.c)",
+                Within("4x sdpa's own error against a float64 reference",
+                       "at several rows sdpa's bits depend on the batch's padding: there is no single result "
+                       "to be identical to"),
+                ("heads", "kv_heads", "head_dim"), MACHINE, ("workbench.engine.kernels.decode_attention",),
+                native=True, on_disk="none", note="checked in every process (milliseconds)"),
+    Replacement("sample.draw", "the sampler's float64-cumsum inverse-CDF draw (torch)",
+                "wb_sample_draw (kernels/c/sample_draw.c)", IDENTICAL, (), MACHINE,
+                ("workbench.engine.kernels.sampling",), native=True, on_disk="none",
+                note="compared on 80 seeded probe rows; checked in every process"),
+    Replacement("sample.rank_count", "the logprobs' compare-and-count of each token's rank (torch)",
+                "wb_count_above (kernels/c/sample_draw.c)", IDENTICAL, (), MACHINE,
+                ("workbench.engine.kernels.sampling",), native=True, on_disk="none",
+                note="compared on 80 seeded probe rows; checked in every process"),
+    Replacement("forward.direct", "the model's own forward (module dispatch, transformers' decorators)",
+                "the direct forward: the same torch ops in the same order without the dispatch "
+                "(run/exact_forward.py)", IDENTICAL, ("model",), MODEL, ("workbench.engine.run.exact_forward",),
+                lives=PER_OBJECT, on_disk="passed",
+                note="logits, every layer's K/V and attention keywords on an extend, a mixed and a decode forward; "
+                     "exact mode, transformers' Llama, Mistral, Qwen2 and Qwen3 only"),
+    Replacement("attention.variants", "the model's own attention implementation",
+                "the engine's attention over its KV pool (run/attention.py), per layer as the probe found it",
+                IDENTICAL, ("model",), MODEL, ("workbench.engine.run.variants",), lives=PER_LOAD, on_disk="passed",
+                note="a probe forward records the keywords each layer passes to attention; a model whose "
+                     "attention the engine does not compute as transformers does is refused (ValueError)"),
+]
+REGISTRY: dict[str, Replacement] = {r.name: r for r in _ALL}

@@ -1,0 +1,107 @@
+"""The sampler's native kernels, each with the torch formula it replaces and the probe that checks it.
+
+Owns: `sample_draw` (the sampler's float64-cumsum inverse-CDF draw, registry.py's `sample.draw`) and
+`count_above` (logprobs' compare-and-count of a token's rank, `sample.rank_count`), both in
+c/sample_draw.c; their formulas (`draw_formula`, `count_formula`); and their check: the kernel and
+the formula on seeded probe rows (ties, -inf tails, a NaN row, the top end of `u`), the kernel used
+only where every row agrees. Does not own: the sampling itself (engine/sample/).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from workbench.engine.kernels.book import BOOK
+from workbench.engine.kernels.native import load
+from workbench.engine.kernels.verdict import Verdict
+
+Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows [R, V], per_row [R]) -> [R]
+
+
+def draw_formula(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The sampler's inverse-CDF draw as torch computes it (sampler.Sampler.draw): ids `[R]`."""
+    cdf = probs.detach().to(torch.float64).cpu().cumsum(dim=-1)  # [R, V]
+    return (cdf <= u.to(torch.float64).cpu()[:, None] * cdf[:, -1:]).sum(dim=-1).clamp(max=probs.shape[-1] - 1)
+
+
+def count_formula(lp: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    """How many of each row's values are strictly above `picked` (logprobs._ranks, less one)."""
+    return (lp > picked[:, None]).sum(dim=-1)
+
+
+def _draw_probe(logits: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    u = torch.rand(logits.shape[0], generator=gen, dtype=torch.float64)
+    u[-1] = 1.0 - 2.0 ** -53  # the top end, where rounding could step past the last kept token
+    return torch.softmax(logits, dim=-1), u
+
+
+def _count_probe(logits: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probabilities against a picked one of each row: ties, -inf and a NaN row included."""
+    lp = torch.log_softmax(logits, dim=-1)
+    picked = lp.gather(1, torch.randint(0, lp.shape[1], (lp.shape[0], 1), generator=gen))[:, 0].clone()
+    picked[0], lp[1, 0] = float("-inf"), float("nan")
+    return lp, picked
+
+
+def check(kernel: Kernel, formula: Kernel,
+          probe: Callable[[torch.Tensor, torch.Generator], tuple[torch.Tensor, torch.Tensor]]) -> Verdict:
+    """`kernel` against `formula` on seeded probe rows, `probe(logits, generator)` making their inputs."""
+    gen = torch.Generator().manual_seed(11)
+    rows = mismatches = 0
+    for vocab, temp in ((49152, 1.0), (49152, 0.2), (32000, 3.0), (7, 1.0), (1000, 0.05)):
+        logits = torch.randn(16, vocab, generator=gen) * 4 / temp
+        logits[:4, vocab // 3:] = float("-inf")  # rows whose tail was cut (top-k / top-p): zeros
+        x, per_row = probe(logits, gen)
+        got, want = kernel(x, per_row), formula(x, per_row)
+        rows += 16
+        mismatches += int((got != want).sum())
+    facts = {"rows": rows, "mismatches": mismatches}
+    if mismatches == 0:
+        return Verdict(True, f"kernel: the same result as the torch formula on all {rows} probe rows", facts)
+    return Verdict(False, f"torch: the kernel differed from the formula on {mismatches} of {rows} probe rows", facts)
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+
+
+def count_above(lp: torch.Tensor, picked: torch.Tensor) -> torch.Tensor | None:
+    """Per row of `lp [R, V]` (CPU float32), how many values are strictly above `picked [R]`:
+    `count_formula` by the native kernel, without the `[R, V]` mask. None where it does not apply
+    (not built, not CPU float32) or was not found identical."""
+    if not _rows_ok(lp) or picked.dtype != torch.float32:
+        return None
+    if load() is None or not BOOK.decide("sample.rank_count", (),
+                                         lambda: check(_unchecked_count, count_formula, _count_probe)).ok:
+        return None
+    return _unchecked_count(lp, picked)
+
+
+def sample_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """The sampler's inverse-CDF draw (`draw_formula`: float64 cumsum, count of the cdf at or below
+    `u * total`) for `probs [R, V]` CPU float32 and `u [R]` float64, by the native kernel: ids `[R]`
+    int64, -1 for a row it leaves to the formula (NaN probabilities). None where the kernel does not
+    apply: not built, not CPU float32, or not found identical to the formula on this CPU."""
+    if not _rows_ok(probs):
+        return None
+    if load() is None or not BOOK.decide("sample.draw", (), lambda: check(_unchecked_draw, draw_formula, _draw_probe)).ok:
+        return None
+    return _unchecked_draw(probs, u)
+
+
+def _per_row(kernel: str, rows: torch.Tensor, per_row: torch.Tensor) -> torch.Tensor:
+    """Run the native `kernel(rows, R, V, row stride, per_row, out, threads)`: one int64 per row."""
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    getattr(load(), kernel)(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), per_row.data_ptr(),
+                            out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _unchecked_count(lp: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    return _per_row("wb_count_above", lp, picked.contiguous())
+
+
+def _unchecked_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return _per_row("wb_sample_draw", probs, u.to(torch.float64).contiguous())
