@@ -161,3 +161,23 @@ def test_the_kernels_package_sits_below_run_and_sample():
             offenders += [f"{path.name}: {n}" for n in names
                           if n.startswith(("workbench.engine.run", "workbench.engine.sample"))]
     assert offenders == []
+
+
+def test_the_switch_reads_its_words_and_the_old_variables_only_as_aliases(monkeypatch):
+    from workbench.engine.kernels import switch
+
+    for name in (switch.VARIABLE, *switch.ALIASES):
+        monkeypatch.delenv(name, raising=False)
+    assert switch.describe() == "WORKBENCH_REPLACEMENTS=on" and switch.native() and not switch.exact()
+    monkeypatch.setenv("WORKBENCH_CPU_KERNELS", "0")
+    monkeypatch.setenv("WORKBENCH_PROBE_CACHE", "0")
+    assert not switch.native() and switch.fresh() and switch.describe() == "WORKBENCH_REPLACEMENTS=fresh,torch"
+    monkeypatch.setenv("WORKBENCH_CPU_KERNELS", "exact")
+    assert switch.exact() and switch.native()
+    monkeypatch.setenv(switch.VARIABLE, "on")  # the new variable wins: the old ones are not read
+    assert switch.native() and not switch.exact() and not switch.fresh()
+    monkeypatch.setenv(switch.VARIABLE, " exact , fresh")
+    assert switch.exact() and switch.fresh() and switch.native()
+    monkeypatch.setenv(switch.VARIABLE, "exact,fast")
+    with pytest.raises(ValueError, match=r"WORKBENCH_REPLACEMENTS='exact,fast': expected .*on, exact, torch, fresh"):
+        switch.words()

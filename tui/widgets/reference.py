@@ -19,7 +19,7 @@ from workbench.trace.checks import position_map
 
 VERDICT_STYLE = {"real": "bold white on red", "near_tie": "black on yellow", "logprob": "bold white on magenta"}
 VERDICT_TEXT = {"ok": "✓ agrees", "real": "✗ real divergence", "near_tie": "≈ near tie",
-                "logprob": "✗ logprob beyond tolerance"}
+                "logprob": "✗ logprob beyond tolerance", "floor": "≈ inside the engine's noise floor"}
 
 
 def verdict_text(p: dict[str, Any]) -> str:

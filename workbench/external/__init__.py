@@ -7,6 +7,11 @@
 - `check_trace(path, reference, ...) -> CheckReport` (check.py): teacher-force each request's prompt
   and output through the reference model, and say where and how the engine diverged.
 - `ProbeRequest`, `load_prompts_jsonl` (records.py): what to send.
+- `measure_floor`, `load_floor`, `Floor` (floor.py): how much an engine disagrees with itself,
+  which `check_trace(..., floor=)` and `diff_traces(..., floor=)` classify against.
+- `resend(trace, to, out)` (resend.py): a recorded trace's requests sent to another upstream.
+- `import_generations(file, out)`, `import_request_outputs(outputs, out)` (imports.py): logged RL
+  rollouts (TRL, verl, vLLM) as a trace; `check_trace` then reports importance ratios (importance.py).
 
 Real peer engines (vLLM CPU, llama.cpp) are started by peers.py; OTLP spans are received by
 otlp.py. Re-exports are lazy: importing this package imports neither httpx nor torch.
@@ -25,6 +30,12 @@ _LAZY = {
     "CheckReport": "workbench.external.check_report",
     "RequestCheck": "workbench.external.check_report",
     "PositionCheck": "workbench.external.check_report",
+    "measure_floor": "workbench.external.floor",
+    "load_floor": "workbench.external.floor",
+    "Floor": "workbench.external.floor",
+    "resend": "workbench.external.resend",
+    "import_generations": "workbench.external.imports",
+    "import_request_outputs": "workbench.external.imports",
 }
 
 __all__ = list(_LAZY)

@@ -13,6 +13,13 @@ from the same forward that a prefill would run), and classifying each position:
 - sampled requests: any position whose reported logprob differs from the reference's by more than
   `tolerance` is a `logprob` divergence (the token itself was drawn, so it may differ).
 
+With a measured noise floor (`floor`, external/floor.py) the constant tolerance gives way where the
+engine's own run-to-run spread is larger: a greedy mismatch whose gap the engine's own noise can
+flip is `floor` (inside the floor), a sampled logprob is a divergence only beyond both, and every
+position records the floor's bound for its band. With `importance` thresholds (on by default for
+imported rollouts) every position also gets its log importance ratio, reference − engine, and what
+truncated / masked importance sampling would do there (external/importance.py).
+
 Teacher forcing scores every position on the engine's own prefix, so positions after a divergence
 are still meaningful. The results go into the trace's `checks` table (workbench/trace/checks.py).
 Does not own the records and the table rendering (check_report.py).
@@ -27,6 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from workbench.external.check_report import CheckReport, PositionCheck, RequestCheck, topk_divergence
+from workbench.external.importance import (
+    ImportanceReport,
+    RatioVerdict,
+    Thresholds,
+    classify_ratio,
+    processed_logprob,
+)
 from workbench.trace.checks import store_checks
 from workbench.trace.events import TokenChosen
 from workbench.trace.reader import open_trace
@@ -44,14 +58,19 @@ class Scored:
     prompt_ids: list[int]
     tokens: list[TokenChosen]
     note: str = ""
+    params: dict[str, Any] | None = None
 
 
 def check_trace(path: str | Path, reference: str = "smollm2", *, tolerance: float = DEFAULT_TOLERANCE,
-                store: bool = True, engine: Any = None, progress: bool = True) -> CheckReport:
+                store: bool = True, engine: Any = None, progress: bool = True, floor: Any = None,
+                importance: Thresholds | None = None) -> CheckReport:
     """Teacher-force every request of the trace at `path` through `reference` and classify it.
 
     `engine`: an existing `Engine` on the reference (tests reuse one); otherwise one is loaded.
     `store`: write the results into the trace (`checks` table; an earlier check is replaced).
+    `floor`: a measured `Floor` (or a path to its JSON file) to classify against.
+    `importance`: TIS / MIS thresholds for the importance-ratio report (default for a trace made
+    by `workbench import`: `Thresholds()`; otherwise none unless given).
     ValueError (TraceError) for an unreadable trace or a bad tolerance.
     """
     if not (isinstance(tolerance, (int, float)) and tolerance >= 0):
@@ -61,6 +80,13 @@ def check_trace(path: str | Path, reference: str = "smollm2", *, tolerance: floa
         source = str(trace.meta.get("source") or "engine")
         probed_with = (trace.meta.get("reference") or {}).get("tokenizer") if source == "external" else None
         todo = recorded_scored(trace)
+        imported = isinstance(trace.meta.get("import"), dict)
+    if floor is not None and not hasattr(floor, "bound"):
+        from workbench.external.floor import load_floor
+
+        floor = load_floor(floor)
+    if importance is None and imported:
+        importance = Thresholds()
     warnings = []
     if isinstance(probed_with, str) and probed_with and probed_with != reference:
         warnings.append(f"the probe read prompts and recovered token ids with the tokenizer of {probed_with!r}, "
@@ -76,10 +102,12 @@ def check_trace(path: str | Path, reference: str = "smollm2", *, tolerance: floa
         n = sum(len(s.tokens) for s in scored)
         print(f"check: scoring {len(scored)} requests, {n} output tokens, in one batched prefill",
               file=sys.stderr, flush=True)
-    results = _score(engine, todo, float(tolerance))
+    ratios = ImportanceReport(importance) if importance is not None else None
+    results = _score(engine, todo, float(tolerance), floor, ratios)
     name = getattr(getattr(engine, "loaded", None), "name", None) or reference
     report = CheckReport(path=path, reference=f"{reference} ({name})" if name != reference else reference,
-                         tolerance=float(tolerance), requests=results, source=source, warnings=warnings)
+                         tolerance=float(tolerance), requests=results, source=source, warnings=warnings,
+                         floor=floor.summary() if floor is not None else None, importance=ratios)
     if store:
         store_checks(path, report.summary(), report.rows())
     return report
@@ -108,7 +136,7 @@ def recorded_scored(trace: Any) -> list[Scored]:
             if isinstance(told, int) and told != len(prompt):
                 note = f"server counted {told} prompt tokens, the reference tokenizer {len(prompt)}"
         by_pos = tokens.get(info.req_id, {})
-        out.append(Scored(info.req_id, greedy, prompt, [by_pos[p] for p in sorted(by_pos)], note))
+        out.append(Scored(info.req_id, greedy, prompt, [by_pos[p] for p in sorted(by_pos)], note, params))
     return out
 
 
@@ -117,7 +145,8 @@ def _greedy(params: dict[str, Any]) -> bool:
     return (isinstance(t, (int, float)) and t == 0) or params.get("top_k") == 1
 
 
-def _score(engine: Any, todo: list[Scored], tolerance: float) -> list[RequestCheck]:
+def _score(engine: Any, todo: list[Scored], tolerance: float, floor: Any = None,
+           ratios: ImportanceReport | None = None) -> list[RequestCheck]:
     from workbench.engine.sample.sampling_params import SamplingParams
 
     vocab = engine.vocab_size
@@ -145,13 +174,17 @@ def _score(engine: Any, todo: list[Scored], tolerance: float) -> list[RequestChe
             rows = out.prompt_logprobs or []
             for tok in s.tokens:
                 row = rows[len(s.prompt_ids) + tok.position]
-                rc.positions.append(_position(tok, row, text, s.greedy, tolerance))
+                pc = _position(tok, row, text, s.greedy, tolerance, floor)
+                if ratios is not None and tok.logprob is not None:
+                    ratios.add(s.req_id, pc.position, _ratio(pc, row, s.params or {}, ratios.thresholds, tolerance))
+                rc.positions.append(pc)
         _classify(rc)
         results.append(rc)
     return results
 
 
-def _position(tok: TokenChosen, row: dict[str, Any], text: Any, greedy: bool, tolerance: float) -> PositionCheck:
+def _position(tok: TokenChosen, row: dict[str, Any], text: Any, greedy: bool, tolerance: float,
+              floor: Any = None) -> PositionCheck:
     top = [(int(i), float(lp)) for i, _t, lp in row["top_logprobs"]]
     argmax, best = top[0]
     second = top[1][1] if len(top) > 1 else float("-inf")
@@ -162,11 +195,32 @@ def _position(tok: TokenChosen, row: dict[str, Any], text: Any, greedy: bool, to
     gap = best - ref_lp if tok.token_id != argmax else 0.0
     pc = PositionCheck(tok.position, tok.token_id, tok.text, tok.logprob, ref_lp, delta, argmax, text(argmax),
                        best - second, max(gap, 0.0), int(row["rank"]), kl, overlap)
+    bound = 0.0
+    if floor is not None:
+        pc.floor = bound = float(floor.bound(tok.logprob if tok.logprob is not None else ref_lp))
     if greedy and tok.token_id != argmax:
-        pc.verdict = "near_tie" if pc.gap < tolerance else "real"
-    elif not greedy and delta is not None and abs(delta) > tolerance:
+        inside = floor is not None and pc.gap <= floor.flip_bound(best)
+        pc.verdict = "floor" if inside else "near_tie" if pc.gap < tolerance else "real"
+    elif not greedy and delta is not None and abs(delta) > max(tolerance, bound):
         pc.verdict = "logprob"
     return pc
+
+
+def _ratio(pc: PositionCheck, row: dict[str, Any], params: dict[str, Any], thresholds: Thresholds,
+           tolerance: float) -> RatioVerdict:
+    """The position's importance ratio and what TIS / MIS do to it, written into `pc`."""
+    t, top_p, top_k = params.get("temperature"), params.get("top_p"), params.get("top_k")
+    t = float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else 1.0
+    top_p = float(top_p) if isinstance(top_p, (int, float)) and 0 < top_p <= 1 else 1.0
+    top_k = int(top_k) if isinstance(top_k, int) and not isinstance(top_k, bool) else -1
+    processed = None
+    if t > 0 and (t != 1.0 or top_p < 1.0 or top_k > 0):  # only then do processed and raw differ
+        top = [(int(i), float(lp)) for i, _t, lp in row["top_logprobs"]]
+        processed = processed_logprob(top, pc.token_id, t, top_p, top_k)
+    v = classify_ratio(float(pc.engine_logprob), pc.ref_logprob, thresholds=thresholds, ref_processed=processed,
+                       ref_margin=pc.ref_margin, rank=pc.rank, tolerance=tolerance)
+    pc.log_ratio, pc.tis, pc.mis, pc.is_reason = v.log_ratio, v.tis, v.mis, v.reason
+    return v
 
 
 def _classify(rc: RequestCheck) -> None:

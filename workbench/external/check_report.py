@@ -20,7 +20,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-VERDICTS = ("ok", "near_tie", "real", "logprob")
+from workbench.external.importance import ImportanceReport
+
+# `floor`: a greedy token the reference would not take, by a margin the engine's own run-to-run
+# noise (a measured floor) can flip; only with a floor
+VERDICTS = ("ok", "floor", "near_tie", "real", "logprob")
 
 
 @dataclass(slots=True)
@@ -41,6 +45,11 @@ class PositionCheck:
     topk_kl: float | None
     topk_overlap: float | None
     verdict: str = "ok"
+    floor: float | None = None  # with a measured floor: the engine's own |Δ| bound for this token's band
+    log_ratio: float | None = None  # importance ratio log w = reference - engine (with importance checks)
+    tis: str | None = None  # "clip" when truncated IS caps w here
+    mis: str | None = None  # "drop" when masked IS drops this token
+    is_reason: str | None = None  # why (importance.REASONS) when tis or mis acts
 
 
 @dataclass(slots=True)
@@ -70,6 +79,15 @@ class RequestCheck:
     def near_ties(self) -> int:
         return sum(1 for p in self.positions if p.verdict == "near_tie")
 
+    @property
+    def inside_floor(self) -> int:
+        return sum(1 for p in self.positions if p.verdict == "floor")
+
+    @property
+    def beyond_floor(self) -> int:
+        """Positions whose |Δlogprob| exceeds what the engine shows against itself (with a floor)."""
+        return sum(1 for p in self.positions if p.floor is not None and p.delta is not None and abs(p.delta) > p.floor)
+
     def to_row(self) -> dict[str, Any]:
         return {"req_id": self.req_id, "greedy": self.greedy, "first_divergence": self.first_divergence,
                 "divergence_class": self.divergence_class, "note": self.note,
@@ -86,6 +104,8 @@ class CheckReport:
     requests: list[RequestCheck]
     source: str = "engine"  # the trace's source: external or this engine
     warnings: list[str] = field(default_factory=list)
+    floor: dict[str, Any] | None = None  # the measured floor's summary (external/floor.py) when one was given
+    importance: ImportanceReport | None = None  # importance ratios (imported rollouts, or when asked)
 
     @property
     def positions(self) -> int:
@@ -140,7 +160,28 @@ class CheckReport:
                 "max_abs_delta": self.max_abs_delta, "mean_abs_delta": self.mean_abs_delta,
                 "real_divergences": self.real_positions, "near_ties": self.near_tie_positions,
                 "requests_real": [r.req_id for r in self.real_divergences],
-                "requests_near_tie": [r.req_id for r in self.near_ties]}
+                "requests_near_tie": [r.req_id for r in self.near_ties],
+                "floor": self.floor, "inside_floor": sum(r.inside_floor for r in self.requests),
+                "beyond_floor": sum(r.beyond_floor for r in self.requests) if self.floor else None,
+                "importance": self.importance.summary() if self.importance else None}
+
+    def _beside_floor(self, key: str) -> str:
+        return f"   (floor: the engine's own, up to {self.floor[key]:.4g})" if self.floor else ""
+
+    def _floor_lines(self) -> list[str]:
+        """The floor beside the figures: measured (its bands, and how many positions exceed it) or none."""
+        if not self.floor:
+            return [f"  floor             none measured: constant tolerance {self.tolerance:g} nats "
+                    "(workbench floor measures the engine's own spread; check --floor FILE)"]
+        f = self.floor
+        src = f.get("source") or {}
+        bands = " · ".join(f"{b['band']} ≤{b['bound']:.2g}" for b in f.get("bands", []))
+        beyond = sum(r.beyond_floor for r in self.requests)
+        inside = sum(r.inside_floor for r in self.requests)
+        return [f"  floor             measured at {src.get('url') or '?'} ({f.get('positions')} positions, "
+                f"{f.get('flips')} flips): |Δ| by |logprob| {bands}",
+                f"  beyond the floor  {beyond} positions (|Δlogprob| above the engine's own spread)",
+                f"  inside the floor  {inside} greedy flips the engine's own noise can make"]
 
     def rows(self) -> list[dict[str, Any]]:
         return [r.to_row() for r in self.requests]
@@ -157,19 +198,22 @@ class CheckReport:
             f"  positions         {self.positions}",
             f"  argmax agreement  {_pct(agree)} ({sum(r.agree for r in self.requests if r.greedy)}/"
             f"{self.greedy_positions} greedy positions)",
-            f"  max |Δlogprob|    {_num(self.max_abs_delta)}",
+            f"  max |Δlogprob|    {_num(self.max_abs_delta)}{self._beside_floor('max_abs')}",
             f"  mean |Δlogprob|   {_num(self.mean_abs_delta)}",
+            *self._floor_lines(),
             f"  real divergences  {self.real_positions} positions in {len(self.real_divergences)} requests",
             f"  near ties         {self.near_tie_positions} positions in "
             f"{sum(1 for r in self.requests if r.near_ties)} requests",
+            *(self.importance.render() if self.importance else []),
             "",
-            f"  {'request':<{width}} {'kind':<7} {'scored':>6} {'argmax':>9} {'max|Δ|':>9}  first divergence",
+            f"  {'request':<{width}} {'kind':<7} {'scored':>6} {'argmax':>9} {'max|Δ|':>9}"
+            + (f" {'>floor':>6}" if self.floor else "") + "  first divergence",
         ]
         for r in self.requests:
             deltas = r.deltas
             lines.append(f"  {r.req_id:<{width}} {'greedy' if r.greedy else 'sampled':<7} {len(r.positions):>6} "
-                         f"{r.agree:>4}/{len(r.positions):<4} {_num(max(deltas) if deltas else None):>9}  "
-                         f"{describe(r)}")
+                         f"{r.agree:>4}/{len(r.positions):<4} {_num(max(deltas) if deltas else None):>9}"
+                         + (f" {r.beyond_floor:>6}" if self.floor else "") + f"  {describe(r)}")
         lines.append("")
         lines.append("result: " + ("no real divergence" if self.exit_code == 0 else
                                    f"{len(self.real_divergences)} request(s) diverge for real"))

@@ -19,7 +19,8 @@ from workbench.notebook.figures import HEIGHT, _figure, _note, show_token
 from workbench.trace.checks import read_checks
 
 MARKS = {"real": ("real divergence", "#d62728", "x"), "near_tie": ("near tie", "#ff9f1c", "diamond"),
-         "logprob": ("logprob beyond tolerance", "#9467bd", "x")}
+         "logprob": ("logprob beyond tolerance", "#9467bd", "x"),
+         "floor": ("inside the noise floor", "#17becf", "circle")}
 
 
 def _meta(source: Any) -> dict[str, Any]:

@@ -41,6 +41,9 @@ def add_diff_args(p: argparse.ArgumentParser) -> None:
                    help="record PEER's greedy run of A's prompts (transformers) and diff A against it")
     p.add_argument("--against-out", default=None, metavar="FILE.wbtrace", help="where to keep the peer's trace")
     p.add_argument("--tolerance", type=float, default=1e-3)
+    p.add_argument("--floor", default=None, metavar="FLOOR.json",
+                   help="a noise floor from `workbench floor`: a flip within the engine's own spread is "
+                        "'inside the floor', and each request counts its positions beyond it")
 
 
 def run_diff(args: argparse.Namespace) -> int:
@@ -58,8 +61,13 @@ def run_diff(args: argparse.Namespace) -> int:
         args.b, skipped = peer.path, peer.skipped
     elif args.b is None:
         raise ValueError("diff: give a second trace B, or --against transformers")
+    floor = None
+    if args.floor:
+        from workbench.external.floor import load_floor
+
+        floor = load_floor(args.floor)
     with open_trace(args.a) as a, open_trace(args.b) as b:
-        report = diff_traces(a, b, tolerance=args.tolerance)
+        report = diff_traces(a, b, tolerance=args.tolerance, floor=floor)
     if skipped:  # requests the peer cannot reproduce are not part of the comparison
         report.only_in_a = [r for r in report.only_in_a if r not in skipped]
     print(format_report(report))

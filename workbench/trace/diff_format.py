@@ -59,10 +59,42 @@ def kernels_note(a: str | None, b: str | None, names: tuple[str, str] = ("A", "B
             "run are expected and are not a bug of the engine"]
 
 
-def _row(r: RequestDiff) -> str:
+def _row(r: RequestDiff, floor: bool) -> str:
     kl = "n/a" if r.mean_kl is None else f"{r.mean_kl:.2e}"
+    first = r.first_divergence
+    where = (f"{first.position} {first.verdict.short if first.verdict else 'unknown'}" if first is not None
+             else "length" if r.len_a != r.len_b else "—")
     return (f"{r.req_id:<16} {r.compared:>8} {r.len_a:>6} {r.len_b:>6} {r.max_logprob_delta:>9.2e} "
-            f"{kl:>9} {r.topk_changes:>9}")
+            f"{kl:>9} {r.topk_changes:>9}" + (f" {r.beyond_floor:>7}" if floor else "") + f"  {where}")
+
+
+def floor_lines(report: DiffReport) -> list[str]:
+    """The floor the positions were classified against: measured, or the constant tolerance."""
+    f = report.floor
+    if f is None:
+        return [f"floor: none measured; a flip is a near tie when the top-2 margin is under {report.tolerance:g} "
+                "nats (workbench floor measures the engine's own spread; give it with --floor FILE)"]
+    src = f.get("source") or {}
+    beyond = sum(r.beyond_floor for r in report.requests)
+    compared = sum(r.compared for r in report.requests)
+    return [f"floor: measured at {src.get('url') or '?'} ({f.get('positions')} positions): the engine's own "
+            f"|Δlogprob| up to {f.get('max_abs', 0):.3g} nats, own flips at margins up to "
+            f"{f.get('max_flip_margin', 0):.3g}; {beyond} of {compared} compared positions beyond it"]
+
+
+def differing_lines(report: DiffReport) -> list[str]:
+    """One line per request whose tokens (or length) differ: where, both tokens, and the verdict."""
+    diff = report.differing
+    lines = [f"requests that differ: {len(diff)} of {len(report.requests)}"]
+    for r in diff:
+        name = r.req_id if r.req_id == r.req_id_b else f"{r.req_id} (B: {r.req_id_b})"
+        p = r.first_divergence
+        if p is None:
+            lines.append(f"  {name}: same tokens for {r.compared}, then A has {r.len_a} and B {r.len_b}")
+            continue
+        lines.append(f"  {name} position {p.position}: {p.text_a!r} ({p.token_a}) vs {p.text_b!r} ({p.token_b}), "
+                     + (p.verdict.describe() if p.verdict else "no verdict"))
+    return lines
 
 
 def format_report(report: DiffReport) -> str:
@@ -74,9 +106,13 @@ def format_report(report: DiffReport) -> str:
         lines.append("no token differs" + ("" if report.identical else " (but the runs differ in length or requests)"))
     else:
         lines += describe_divergence(first)
+    floor = report.floor is not None
+    lines += floor_lines(report)
     lines.append(f"{'request':<16} {'compared':>8} {'len A':>6} {'len B':>6} {'max|dlp|':>9} {'mean KL':>9} "
-                 f"{'top-k chg':>9}")
-    lines += [_row(r) for r in report.requests]
+                 f"{'top-k chg':>9}" + (f" {'>floor':>7}" if floor else "") + "  first diff")
+    lines += [_row(r, floor) for r in report.requests]
+    if report.differing:
+        lines += differing_lines(report)
     undefined = sorted({r.kl_undefined for r in report.requests if r.kl_undefined})
     for why in undefined:
         lines.append(f"KL not defined where {why}")
