@@ -63,3 +63,37 @@ def test_invariance_on_cuda_bf16(tiny, tmp_path):
     print(f"\nCUDA bf16: {sum(r.identical for r in report.requests)}/16 identical, max |dlogprob| "
           f"{report.max_delta:.2e}")
     print(report.describe())
+
+
+@pytest.mark.slow
+def test_the_flip_risk_map_puts_the_positions_a_drift_could_flip_first(tiny, tmp_path, capsys):
+    """fast-int8 on the CPU: a batch of more than 8 rows takes another GEMM kernel than a request
+    alone, so tokens drift between the two contexts. Each compared position carries drift / top-2
+    margin; the map lists the highest first, and a token that flipped sits at a position whose risk
+    is high (the drift there reached the margin)."""
+    from workbench.trace.invariance_store import read_invariance
+
+    path = tmp_path / "int8.wbtrace"
+    with Engine(tiny, trace=str(path), kernels="fast-int8") as engine:
+        engine.generate(PROMPTS[:10], SamplingParams(temperature=0, max_new_tokens=N, ignore_eos=True))
+    report = invariance(str(path))
+    cells = report.risk_map()
+    risks = [p.risk for _, p in cells]
+    assert cells and risks == sorted(risks, reverse=True)
+    assert all(p.drift is not None and p.margin is not None for _, p in cells)
+    assert any(p.drift > 0 for _, p in cells)  # bf16: the contexts do differ
+    summary = report.risk_summary()
+    flips = [r.positions[r.first_diff] for r in report.requests if r.first_diff is not None and r.seeded]
+    assert summary["flips"] == len(flips)
+    assert all(p.risk is not None and p.risk >= 0.5 for p in flips)  # a flip is where drift met the margin
+    assert cli_main(["invariance", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "flip risk" in out and f"{summary['above_1']} of {summary['positions']} positions above 1" in out
+    from workbench.notebook.whatif import InvarianceView
+
+    page = InvarianceView(report).html()
+    top_rid, top = cells[0]
+    assert page.index("flip risk") < page.index(f"<h4>{top_rid}</h4>")  # the map comes before the tables
+    stored_summary, rows = read_invariance(str(path))
+    assert stored_summary["flip_risk"] == summary
+    assert all("risk" in p for row in rows.values() for p in row["positions"])

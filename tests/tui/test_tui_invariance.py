@@ -96,6 +96,7 @@ async def test_workbench_invariance_stores_what_the_tui_shows(tiny, tmp_path: Pa
         await settle(pilot)
         text = pane(screen, "tokens")
         assert f"invariance alone vs batched (batch {p['batch_size']}): |Δlogprob| {p['delta']:.2e}" in text
+        assert f"flip risk {p['risk']:.2g}" in text  # drift / top-2 margin, stored by workbench invariance
         assert p["batch_size"] > 1
         assert f"alone: max Δlp {row['max_delta']:.2e}" in str(screen.query_one("#tokens").border_subtitle)
     async with tui(path, request="req-0") as (pilot, screen):

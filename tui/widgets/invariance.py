@@ -1,7 +1,7 @@
 """The batch-invariance lines of the Tokens pane: what `workbench invariance T` measured for a request.
 
-Owns: the selected position's line (|Δlogprob| of the same token alone vs in its recorded batch,
-or the first token that differs and whether it was a near tie), a table of the positions around
+Owns: the selected position's line (|Δlogprob| of the same token alone vs in its recorded batch and
+its flip risk, drift / top-2 margin, or the first token that differs and whether it was a near tie), a table of the positions around
 the selection with both logprobs, and the pane subtitle's summary. Reads the stored result only
 (workbench/trace/invariance_store.py); draws nothing for a trace that was never measured, and
 "not measured" for a request or position the run did not compare.
@@ -49,6 +49,12 @@ def invariance_line(data: RequestData, position: int) -> Text | None:
     if p.get("token_batched") != p.get("token_alone"):
         return head.append_text(_differs(row, p))
     head.append(f"|Δlogprob| {_exp(p.get('delta'))}", "green" if not p.get("delta") else "yellow")
+    risk = p.get("risk")  # stored since the flip-risk map; None: an exact tie that drifted, or no margin
+    if risk is None and p.get("margin") == 0 and p.get("drift"):
+        risk = float("inf")
+    if isinstance(risk, (int, float)):
+        head.append(" · flip risk ")
+        head.append(f"{risk:.2g}", "bold white on red" if risk > 1 else ("yellow" if risk > 0.5 else "green"))
     return head
 
 

@@ -64,6 +64,8 @@ COMMANDS = [
             "workbench.rerun.cli_args", "fork"),
     Command("invariance", "re-run each recorded request alone and in its batch: logprob drift, "
             "first differing token, near tie or not", "workbench.rerun.cli_args", "invariance"),
+    Command("bisect", "the first layer and sub-block that adds error beyond its dtype's floor at REQ:POSITION, "
+            "or which numerics a probed engine behaves like", "workbench.rerun.cli_args", "bisect"),
     Command("export", "export a trace to Perfetto JSON or a per-token table", "workbench.trace.cli_args", "export"),
     Command("make-traces", "regenerate the example traces in traces/", "workbench.cli.generate", "make_traces"),
 ]

@@ -80,6 +80,7 @@ class EngineAPI(Protocol):
     def flush_prefix_cache(self) -> int: ...
     def force_token(self, req_id: str, position: int, token: int) -> None: ...
     def update_params(self, req_id: str, **changes: Any) -> SamplingParams: ...
+    def use_draws(self, req_id: str, draws: dict[int, float]) -> None: ...
 
 
 # The engine modules code outside engine/ may import: the facade and its protocol, the records that
@@ -91,4 +92,5 @@ PUBLIC_MODULES = (
     "workbench.engine.output.tool_formats", "workbench.engine.output.tool_prompt",
     "workbench.engine.speculative.config", "workbench.engine.whatif",
     "workbench.engine.sample.grammar_limits",  # GrammarLimits and the structural checks, engine-free
+    "workbench.engine.layer_walk",  # a sequence layer by layer in chosen numerics (workbench bisect)
 )

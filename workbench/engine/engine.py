@@ -449,6 +449,11 @@ class Engine:
         req = whatif.live(self.reqs, req_id, "force_token")
         whatif.force_token(req, position, token, self.vocab_size)
 
+    def use_draws(self, req_id: str, draws: dict[int, float]) -> None:
+        """Sample `req_id`'s output position p with the uniform `draws[p]` (a recorded run's) instead of
+        a fresh draw: a fork then shares its parent's random numbers at every position."""
+        whatif.use_draws(whatif.live(self.reqs, req_id, "use_draws"), draws)
+
     def update_params(self, req_id: str, **changes: Any) -> SamplingParams:
         """Change a queued or running request's sampling parameters for its following steps."""
         req = whatif.live(self.reqs, req_id, "update_params")

@@ -1,7 +1,8 @@
 """What-if hooks behind `Engine.force_token` and `Engine.update_params` (used by `workbench fork`).
 
 Owns: validating and recording a forced token (`Req.forced_tokens`, position -> token id, which the
-Sampler applies where a step's sampled ids become final) and changing a live request's sampling
+Sampler applies where a step's sampled ids become final), recorded random draws (`Req.draws`,
+position -> uniform, which the Sampler uses instead of a fresh one) and changing a live request's sampling
 parameters for its following steps. Does not own sampling (sample/sampler.py) or the fork itself
 (workbench/fork.py).
 """
@@ -45,6 +46,17 @@ def force_token(req: Req, position: int, token: int, vocab_size: int) -> None:
     if not isinstance(token, int) or not 0 <= token < vocab_size:
         raise ValueError(f"force_token: token must be an id in [0, {vocab_size}), got {token!r}")
     req.forced_tokens[position] = token
+
+
+def use_draws(req: Req, draws: dict[int, float]) -> None:
+    """The sampler's uniform at each output position of `draws` comes from there (a fork replaying its
+    parent's recorded draws: common random numbers), not from the request's generator."""
+    for position, u in draws.items():
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            raise ValueError(f"use_draws: positions must be ints >= 0, got {position!r}")
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 <= u < 1.0:
+            raise ValueError(f"use_draws: draw at position {position} must be a number in [0, 1), got {u!r}")
+    req.draws.update({p: float(u) for p, u in draws.items()})
 
 
 def update_params(req: Req, changes: dict[str, Any], vocab_size: int,

@@ -79,7 +79,7 @@ def check_trace(path: str | Path, reference: str = "smollm2", *, tolerance: floa
     with open_trace(path) as trace:
         source = str(trace.meta.get("source") or "engine")
         probed_with = (trace.meta.get("reference") or {}).get("tokenizer") if source == "external" else None
-        todo = _recorded(trace)
+        todo = recorded_scored(trace)
         imported = isinstance(trace.meta.get("import"), dict)
     if floor is not None and not hasattr(floor, "bound"):
         from workbench.external.floor import load_floor
@@ -113,7 +113,7 @@ def check_trace(path: str | Path, reference: str = "smollm2", *, tolerance: floa
     return report
 
 
-def _recorded(trace: Any) -> list[Scored]:
+def recorded_scored(trace: Any) -> list[Scored]:
     """Each request's prompt ids and tokens (latest per position), in arrival order."""
     tokens: dict[str, dict[int, TokenChosen]] = {}
     for event in trace.events(kind="token"):

@@ -105,8 +105,13 @@ class DiffView:
         return format_report(self.report)
 
 
+def _risk(risk: float | None) -> str:
+    return "—" if risk is None else f"{risk:.3g}"
+
+
 class InvarianceView:
-    """A batch-invariance report (workbench.rerun.invariance) as a table per request: drift per position."""
+    """A batch-invariance report (workbench.rerun.invariance): the flip-risk map (highest risk first),
+    then a table per request: drift and flip risk per position."""
 
     def __init__(self, report: InvarianceReport, req_ids: list[str] | None = None) -> None:
         self.report = report
@@ -122,17 +127,19 @@ class InvarianceView:
             size = r.batch_sizes[i] if i < len(r.batch_sizes) else ""
             cells.append(f"<tr class='{state}'><td>{p.position}</td><td>{size}</td><td>{_esc(p.text_batched)}</td>"
                          f"<td>{_esc(p.text_alone)}</td><td>{_lp(p.logprob_batched)}</td>"
-                         f"<td>{_lp(p.logprob_alone)}</td><td>{d}</td></tr>")
+                         f"<td>{_lp(p.logprob_alone)}</td><td>{d}</td><td>{_risk(p.risk)}</td></tr>")
         note = f"max |dlogprob| {r.max_delta:.2e}"
         if r.first_diff is not None:
             note += f"; first differing token at position {r.first_diff}: "
             note += r.verdict.describe() if r.verdict else "no verdict"
         return (f"<h4>{html.escape(req_id)}</h4><div class='note'>{html.escape(note)}</div><table>"
                 "<tr><th>pos</th><th>batch</th><th>batched</th><th>alone</th><th>logprob batched</th>"
-                "<th>logprob alone</th><th>|dlogprob|</th></tr>" + "".join(cells) + "</table>")
+                "<th>logprob alone</th><th>|dlogprob|</th><th>flip risk</th></tr>" + "".join(cells) + "</table>")
 
     def html(self) -> str:
+        # the flip-risk map first: the positions the batch context could flip, highest risk on top
         return (f"<div class='wb-diff'>{_STYLE}<pre>{html.escape(self.report.describe())}</pre>"
+                f"<pre>{html.escape(self.report.risk_table())}</pre>"
                 + "".join(self._table(r) for r in self.req_ids) + "</div>")
 
     def _repr_html_(self) -> str:

@@ -1,8 +1,8 @@
-"""The commands that re-run or compare recorded runs: `replay`, `diff`, `fork`, `invariance`.
+"""The commands that re-run or compare recorded runs: `replay`, `diff`, `fork`, `invariance`, `bisect`.
 
 Owns: each command's flags (`add_*_args(parser)`) and running it (`run_*(args)`, an exit status),
 the thin wiring to the library (rerun.replay, trace.diff, external.against, rerun.fork,
-rerun.invariance). Importing this module imports no engine: heavy imports happen inside each `run_*`,
+rerun.invariance, rerun.bisect, rerun.behaves_like). Importing this module imports no engine: heavy imports happen inside each `run_*`,
 so `workbench --help` stays fast. Does not own: the top-level parser or dispatch (workbench/cli/).
 """
 
@@ -114,6 +114,7 @@ def run_invariance(args: argparse.Namespace) -> int:
     report = invariance(args.trace, device=args.device, tolerance=args.tolerance, progress=sys.stderr.isatty(),
                         req_ids=args.request or None)
     print(report.describe())
+    print("\n" + report.risk_table())
     for rid in args.request or []:
         print(f"\n{rid}, per position:\n{report.positions_table(rid)}")
     if not args.no_store:
@@ -121,4 +122,46 @@ def run_invariance(args: argparse.Namespace) -> int:
 
         store_invariance(args.trace, report.summary(), report.rows())
         print(f"stored in {args.trace} (workbench tui {args.trace} shows it in the Tokens pane)", file=sys.stderr)
+    return 0
+
+
+def add_bisect_args(p: argparse.ArgumentParser) -> None:
+    from workbench.trace.bisect_store import CANDIDATES
+
+    p.add_argument("trace")
+    p.add_argument("--at", required=True, metavar="REQ:POSITION", help="the position to explain, e.g. req-3:5")
+    p.add_argument("--against", default=None, metavar="NUMERICS", choices=(*CANDIDATES, "auto"),
+                   help=f"the numerics under suspicion: {', '.join(CANDIDATES[1:])}, or auto (which numerics the "
+                        "trace's engine behaves like, then bisect that one); default: auto for a probed trace, "
+                        "bfloat16 otherwise")
+    p.add_argument("--model", default=None, help="the reference model (default: the trace's; smollm2 for a probe)")
+    p.add_argument("--factor", type=float, default=1.0, help="name a block whose added error is above FACTOR x its floor")
+    p.add_argument("--window", type=int, default=4, help="auto: neighbours each side of the position to compare")
+    p.add_argument("--device", default=None)
+    p.add_argument("--no-store", action="store_true", help="do not store the result in the trace")
+
+
+def run_bisect(args: argparse.Namespace) -> int:
+    from workbench.rerun.bisect import bisect, reference_runner
+    from workbench.trace.reader import open_trace
+
+    with open_trace(args.trace) as t:
+        external = t.meta.get("source") == "external"
+        runner, load = reference_runner(t, args.model, args.device)
+    against = args.against or ("auto" if external else "bfloat16")
+    if against == "auto":
+        from workbench.rerun.behaves_like import behaves_like
+
+        fit = behaves_like(args.trace, args.at, window=args.window, runner=runner, load=load,
+                           store=not args.no_store)
+        print(fit.describe())
+        if fit.best == "float32":
+            print("the engine behaves like the reference numerics here: nothing to bisect")
+            return 0
+        against = fit.best
+    result = bisect(args.trace, args.at, against=against, factor=args.factor, runner=runner, load=load,
+                    store=not args.no_store)
+    print(result.describe())
+    if not args.no_store:
+        print(f"stored in {args.trace} (workbench.trace.bisect_store.read_bisects)", file=sys.stderr)
     return 0

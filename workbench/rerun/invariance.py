@@ -3,8 +3,10 @@
 Owns: re-running a recorded trace twice on the recorded engine config — every request in its
 recorded batch (replay's `run_recorded`), then each request alone — and comparing per output
 position the chosen token's logprob (the drift batching causes), the first token that differs and
-whether it was a near tie (the batched run's top-2 margin). `workbench invariance T` prints it; the
-notebook's `InvarianceView` draws it. Stands above `trace/` because it needs the engine.
+whether it was a near tie (the batched run's top-2 margin), and the flip-risk map: per request and
+position, the drift of the logprobs between the two contexts (the largest change over the tokens
+both runs recorded) divided by the batched run's top-2 margin (`PositionDrift.risk`; above 1 the drift could flip the token), high risk first
+(`risk_table`). `workbench invariance T` prints it; the notebook's `InvarianceView` draws it. Stands above `trace/` because it needs the engine.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class PositionDrift:
     text_alone: str
     logprob_batched: float | None
     logprob_alone: float | None
+    margin: float | None = None  # the batched run's top-2 logprob margin here (from its recorded top-k)
+    drift: float | None = None  # max |logprob batched - logprob alone| over the tokens both recorded (_drift)
 
     @property
     def delta(self) -> float | None:
@@ -34,6 +38,16 @@ class PositionDrift:
         if self.token_batched != self.token_alone or self.logprob_batched is None or self.logprob_alone is None:
             return None
         return abs(self.logprob_batched - self.logprob_alone)
+
+    @property
+    def risk(self) -> float | None:
+        """Flip risk: drift / top-2 margin. Above 1, the drift seen between the contexts is as large as
+        the lead of the chosen token, so it could flip it (inf: an exact tie that drifted)."""
+        if self.drift is None or self.margin is None:
+            return None
+        if self.margin <= 0:
+            return float("inf") if self.drift > 0 else 0.0
+        return self.drift / self.margin
 
 
 @dataclass(slots=True)
@@ -72,7 +86,7 @@ class InvarianceReport:
         """The run's facts for the trace's meta (trace/invariance_store.py)."""
         return {"device": self.device, "dtype": self.dtype, "seconds": round(self.seconds, 3),
                 "max_delta": self.max_delta, "requests": len(self.requests),
-                "identical": sum(r.identical for r in self.requests),
+                "identical": sum(r.identical for r in self.requests), "flip_risk": self.risk_summary(),
                 "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
     def rows(self) -> list[dict[str, Any]]:
@@ -89,9 +103,38 @@ class InvarianceReport:
                         "positions": [{"position": p.position, "token_batched": p.token_batched,
                                        "token_alone": p.token_alone, "text_batched": p.text_batched,
                                        "text_alone": p.text_alone, "logprob_batched": p.logprob_batched,
-                                       "logprob_alone": p.logprob_alone, "delta": p.delta, "batch_size": b}
+                                       "logprob_alone": p.logprob_alone, "delta": p.delta, "batch_size": b,
+                                       "margin": p.margin, "drift": p.drift, "risk": _finite(p.risk)}
                                       for p, b in zip(r.positions, sizes)]})
         return out
+
+    def risk_map(self) -> list[tuple[str, PositionDrift]]:
+        """Every compared position with a flip risk, highest risk first."""
+        cells = [(r.req_id, p) for r in self.requests for p in r.positions if p.risk is not None]
+        return sorted(cells, key=lambda c: -c[1].risk)
+
+    def risk_summary(self) -> dict[str, Any]:
+        """How many positions carry a flip risk above 1, how many flips there were, and how many of the
+        flips sit at such a position (a flip is a request's first differing token)."""
+        cells = self.risk_map()
+        flips = [(r.req_id, r.positions[r.first_diff]) for r in self.requests if r.first_diff is not None and r.seeded]
+        return {"positions": len(cells), "above_1": sum(p.risk > 1 for _, p in cells),
+                "exact_ties": sum(p.margin is not None and p.margin <= 0 for _, p in cells), "flips": len(flips),
+                "flips_above_1": sum(p.risk is not None and p.risk > 1 for _, p in flips),
+                "unflipped_above_1": sum(p.risk > 1 and p.token_batched == p.token_alone for _, p in cells)}
+
+    def risk_table(self, limit: int = 12) -> str:
+        """The flip-risk map, high-risk positions first: drift between the contexts / top-2 margin."""
+        # a flip needs the margin to close: logprobs drifting by half the margin each way can do it
+        s = self.risk_summary()
+        lines = [f"flip risk (max logprob drift batched vs alone / top-2 margin): {s['above_1']} of {s['positions']} positions "
+                 f"above 1; {s['flips_above_1']} of {s['flips']} flips at such a position, "
+                 f"{s['unflipped_above_1']} positions above 1 did not flip; {s['exact_ties']} exact ties (margin 0)",
+                 f"{'request':<16} {'pos':>4} {'risk':>8} {'drift':>9} {'margin':>9}  token (batched / alone)"]
+        for rid, p in self.risk_map()[:limit]:
+            tok = repr(p.text_batched) + ("" if p.token_batched == p.token_alone else f" / {p.text_alone!r} FLIPPED")
+            lines.append(f"{rid:<16} {p.position:>4} {p.risk:>8.3g} {p.drift:>9.2e} {p.margin:>9.2e}  {tok}")
+        return "\n".join(lines)
 
     def request(self, req_id: str) -> RequestDrift:
         return next(r for r in self.requests if r.req_id == req_id)
@@ -127,6 +170,10 @@ class InvarianceReport:
         return "\n".join(lines)
 
 
+def _finite(x: float | None) -> float | None:
+    return None if x is None or x == float("inf") else x
+
+
 def _num(x: float | None) -> str:
     return "—" if x is None else f"{x:.4f}"
 
@@ -150,11 +197,30 @@ def _batch_sizes(events: list[Any]) -> dict[int, int]:
     return sizes
 
 
+def _margin(top: list[Any]) -> float | None:
+    """Top-2 logprob margin of a recorded top-k (`[[id, logprob, text], ...]`, best first)."""
+    lps = sorted((float(t[1]) for t in top if len(t) >= 2 and isinstance(t[1], (int, float))), reverse=True)
+    return lps[0] - lps[1] if len(lps) >= 2 else None
+
+
+def _drift(eb: Any, ea: Any) -> float | None:
+    """How far the distribution moved between the two contexts here: the largest |logprob batched -
+    logprob alone| over the tokens both runs recorded (each chosen token and the top-k they share;
+    the batched run's token must be among them). A flip needs the top-2 margin to close, which a
+    drift of each logprob by at least half the margin can do."""
+    batched = {eb.token_id: eb.logprob, **{t[0]: float(t[1]) for t in eb.top_logprobs if len(t) >= 2}}
+    alone = {ea.token_id: ea.logprob, **{t[0]: float(t[1]) for t in ea.top_logprobs if len(t) >= 2}}
+    if batched.get(eb.token_id) is None or alone.get(eb.token_id) is None:
+        return None
+    return max(abs(v - alone[k]) for k, v in batched.items() if v is not None and alone.get(k) is not None)
+
+
 def _compare(rid: str, batched: list[Any], alone: list[Any], seeded: bool, sizes: dict[int, int],
              tolerance: float) -> RequestDrift:
     positions, first, why = [], None, None
     for eb, ea in zip(batched, alone):
-        positions.append(PositionDrift(eb.position, eb.token_id, ea.token_id, eb.text, ea.text, eb.logprob, ea.logprob))
+        positions.append(PositionDrift(eb.position, eb.token_id, ea.token_id, eb.text, ea.text, eb.logprob, ea.logprob,
+                                       _margin(eb.top_logprobs), _drift(eb, ea)))
         if eb.token_id != ea.token_id:
             first, why = len(positions) - 1, verdict(eb.top_logprobs, eb.token_id, ea.token_id, tolerance)
             break  # after a different token the two runs condition on different text

@@ -349,16 +349,22 @@ class Sampler:
     @staticmethod
     def uniforms(info: SamplingBatchInfo) -> torch.Tensor:
         """One uniform in [0, 1) per row: seeded rows from their request's generator (in row order),
-        the rest from torch's global generator; greedy rows get NaN and consume nothing."""
+        the rest from torch's global generator; greedy rows get NaN and consume nothing. A request
+        given recorded draws (`Req.draws`, Engine.use_draws: a fork re-executing its parent) takes
+        the recorded one at each output position that has one; a seeded request still advances its
+        generator there, so positions past the recorded ones continue the parent's stream."""
         u = torch.full((len(info.reqs),), math.nan, dtype=torch.float64)
         unseeded = []
         for r, req in enumerate(info.reqs):
             if req.params.temperature == 0:
                 continue
+            recorded = req.draws.get(len(req.output_ids) + len(info.prefixes[r])) if req.draws else None
             if req.generator is not None:
                 u[r] = torch.rand((), generator=req.generator, dtype=torch.float64)
-            else:
+            elif recorded is None:
                 unseeded.append(r)
+            if recorded is not None:
+                u[r] = recorded
         if unseeded:
             u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
         return u

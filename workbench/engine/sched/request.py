@@ -67,6 +67,7 @@ class Req:
     timing: Any = None  # timing.ReqTiming: where this request's time went
     stream_deltas: list[str] = field(default_factory=list)
     forced_tokens: dict[int, int] = field(default_factory=dict)  # output position -> token (Engine.force_token)
+    draws: dict[int, float] = field(default_factory=dict)  # output position -> recorded uniform (Engine.use_draws)
 
     @property
     def fill_ids(self) -> list[int]:
