@@ -76,7 +76,7 @@ def check_trace(path: str | Path, reference: str = "smollm2", *, tolerance: floa
         n = sum(len(s.tokens) for s in scored)
         print(f"check: scoring {len(scored)} requests, {n} output tokens, in one batched prefill",
               file=sys.stderr, flush=True)
-    results = _score(engine, todo, float(tolerance))
+    results = score(engine, todo, float(tolerance))
     name = getattr(getattr(engine, "loaded", None), "name", None) or reference
     report = CheckReport(path=path, reference=f"{reference} ({name})" if name != reference else reference,
                          tolerance=float(tolerance), requests=results, source=source, warnings=warnings)
@@ -117,7 +117,8 @@ def _greedy(params: dict[str, Any]) -> bool:
     return (isinstance(t, (int, float)) and t == 0) or params.get("top_k") == 1
 
 
-def _score(engine: Any, todo: list[Scored], tolerance: float) -> list[RequestCheck]:
+def score(engine: Any, todo: list[Scored], tolerance: float) -> list[RequestCheck]:
+    """Teacher-force each request (prompt + output, one batched prefill) and classify every position."""
     from workbench.engine.sample.sampling_params import SamplingParams
 
     vocab = engine.vocab_size
