@@ -34,11 +34,12 @@ class Checker:
             raise ValueError(f"check batch must be in [1, 256], got {batch}")
         self.engine_factory, self.metrics, self.status = engine_factory, metrics, status
         self.tolerance, self.batch, self.capacity, self.reference = tolerance, batch, capacity, reference
-        self.queue: queue.Queue[CheckItem | None] = queue.Queue(maxsize=capacity)
+        self.queue: queue.Queue[CheckItem] = queue.Queue(maxsize=capacity)
         self.dropped = 0
         self.max_depth = 0  # the deepest the queue has been (bounded by `capacity`)
         self.positions = 0
         self.error: str | None = None  # the reference failed to load: nothing is checked
+        self._stop = threading.Event()
         self._reports: dict[str, list[RequestCheck]] = defaultdict(list)  # per trace file, for its summary
         self._thread = threading.Thread(target=self._run, name="watch-checker", daemon=True)
         self._thread.start()
@@ -56,12 +57,10 @@ class Checker:
         self.max_depth = max(self.max_depth, self.queue.qsize())
         return True
 
-    def close(self) -> None:
-        try:
-            self.queue.put(None, timeout=5)
-        except queue.Full:
-            pass
-        self._thread.join(timeout=30)
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop after the batch in hand (what is still queued is not checked)."""
+        self._stop.set()
+        self._thread.join(timeout=timeout)
 
     def idle(self, timeout: float = 60.0) -> bool:
         """Wait until everything queued so far is checked (tests; shutdown)."""
@@ -81,7 +80,7 @@ class Checker:
             self.status.reference_state = "failed"
             self.status.note(self.error)
             engine = None
-        while True:
+        while not self._stop.is_set():
             items = self._take()
             if items is None:
                 return
@@ -96,21 +95,20 @@ class Checker:
                     self.queue.task_done()
 
     def _take(self) -> list[CheckItem] | None:
-        first = self.queue.get()
-        if first is None:
-            self.queue.task_done()
-            return None
-        items = [first]
+        """The next batch (waits for its first item); None once `close()` was called."""
+        while True:
+            if self._stop.is_set():
+                return None
+            try:
+                items = [self.queue.get(timeout=0.1)]
+                break
+            except queue.Empty:
+                continue
         while len(items) < self.batch:
             try:
-                nxt = self.queue.get_nowait()
+                items.append(self.queue.get_nowait())
             except queue.Empty:
                 break
-            if nxt is None:
-                self.queue.task_done()
-                self.queue.put(None)  # stop after this batch
-                break
-            items.append(nxt)
         return items
 
     def _check(self, engine: Any, items: list[CheckItem]) -> None:

@@ -57,6 +57,7 @@ class WatchProxy:
         self.logprobs_ok = True  # the upstream takes logprobs on a request that asked none
         self.status_extra = status_extra or (lambda: {})
         self.client: httpx.AsyncClient | None = None
+        self.in_flight = 0  # generation requests not yet handed to the recorder
 
     def _http(self) -> httpx.AsyncClient:
         if self.client is None:  # no timeout of its own beyond connecting: a slow upstream is the client's to judge
@@ -95,7 +96,14 @@ class WatchProxy:
             await self._metrics(url, headers, send, receive)
             return
         ex = self._exchange(method, path, body)
-        await self._forward(method, url, headers, body, ex, receive, send)
+        if ex is None:
+            await self._forward(method, url, headers, body, ex, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self._forward(method, url, headers, body, ex, receive, send)
+        finally:
+            self.in_flight -= 1
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -136,10 +144,10 @@ class WatchProxy:
         except httpx.HTTPError as exc:
             message = f"watch: the upstream {self.upstream} did not answer: {type(exc).__name__}: {exc or 'no detail'}"
             self.metrics.upstream_errors.inc()
-            await _send_error(send, 502, message, "upstream_unreachable")
             if ex is not None:
                 ex.status, ex.error, ex.done = 502, message, time.perf_counter()
                 self.recorder.submit(ex)
+            await _send_error(send, 502, message, "upstream_unreachable")
             return
         if ex is not None:
             ex.status, ex.headers = resp.status_code, dict(resp.headers)

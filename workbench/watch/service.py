@@ -24,14 +24,14 @@ class Watch:
     """Everything behind `workbench watch --upstream URL`.
 
     `engine`: an existing `Engine` on the reference (tests reuse one); otherwise the checker's
-    thread loads `reference` on `device`. `sample`: the fraction of generation requests checked.
+    thread loads `reference` on `device` (or calls `engine_factory()`). `sample`: the fraction of generation requests checked.
     """
 
     def __init__(self, upstream: str, *, out: str | Path = "watch-traces", sample: float = 0.1,
                  reference: str = "smollm2", tolerance: float | None = None, engine: Any = None,
                  device: str = "cpu", top: int = 5, max_bytes: int = 64 << 20, keep: int = 8,
                  check_capacity: int = 256, check_batch: int = 8, seed: int | None = None,
-                 model: str | None = None) -> None:
+                 model: str | None = None, engine_factory: Any = None) -> None:
         from workbench.external.check import DEFAULT_TOLERANCE
         from workbench.external.probe import base_url
         from workbench.external.token_ids import load_reference_tokenizer
@@ -46,6 +46,8 @@ class Watch:
         def factory() -> Any:
             if engine is not None:
                 return engine
+            if engine_factory is not None:
+                return engine_factory()
             from workbench.engine.engine import Engine
 
             return Engine(reference, device=device, trace=None, trace_level="off")
@@ -68,10 +70,13 @@ class Watch:
                 "traces": list(self.recorder.files), "upstream_takes_token_ids": self.proxy.ids_ok,
                 "upstream_takes_logprobs": self.proxy.logprobs_ok}
 
-    def settle(self, timeout: float = 60.0) -> bool:
-        """Wait until everything proxied so far is recorded and checked."""
-        self.recorder.flush(timeout)
-        return self.checker.idle(timeout)
+    def settle(self, timeout: float = 60.0, *, checked: bool = True) -> bool:
+        """Wait until every request proxied so far is recorded (and, with `checked`, checked)."""
+        deadline = time.monotonic() + timeout
+        while self.proxy.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.recorder.flush(max(0.0, deadline - time.monotonic()))
+        return self.checker.idle(max(0.0, deadline - time.monotonic())) if checked else not self.proxy.in_flight
 
     def close(self) -> None:
         self.recorder.close()
@@ -90,7 +95,8 @@ class WatchServer:
         self.host, self.port = host, port or free_port(host)
         # the upstream's own `date` and `server` headers pass through; uvicorn adds none of its own
         config = uvicorn.Config(watch.proxy, host=self.host, port=self.port, log_level="warning",
-                                server_header=False, date_header=False, timeout_keep_alive=30, lifespan="on")
+                                server_header=False, date_header=False, timeout_keep_alive=30, lifespan="on",
+                                timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 

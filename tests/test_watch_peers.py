@@ -1,0 +1,247 @@
+"""`workbench watch` in front of the real vLLM (fp32) and llama.cpp (Q4_1) the suite already starts.
+
+What a user relies on: through the proxy, greedy and seeded streams are the bytes vLLM sends
+straight; an honest fp32 vLLM shows no real divergence; a fault injected between the proxy and vLLM
+(one request's temperature changed on its way) is flagged within seconds on `/metrics` and in
+`/watch/status`; llama.cpp's Q4_1 divergences are the ones `workbench check` finds. Every proxy
+here samples every request, so every response is rewritten and checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.test_external_vllm import CHAT, PLAIN
+from workbench.watch.service import Watch, WatchServer
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 16
+
+
+class _Locked:
+    """One reference engine shared by the module's checkers, one batch at a time."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine, self._lock = engine, threading.Lock()
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._engine.generate(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+@pytest.fixture(scope="module")
+def reference() -> _Locked:
+    from workbench.engine.engine import Engine
+
+    return _Locked(Engine("smollm2", trace=None, trace_level="off"))
+
+
+@pytest.fixture(scope="module")
+def vllm_watch(vllm_server, reference, tmp_path_factory):
+    watch = Watch(vllm_server.check_alive().url, out=tmp_path_factory.mktemp("watch-vllm"), sample=1.0,
+                  engine=reference)
+    with WatchServer(watch) as server:
+        yield server
+
+
+def _model(url: str) -> str:
+    return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def _normal(raw: bytes) -> bytes:
+    return re.sub(rb'"created":\d+', b'"created":0', raw)  # the second it was made: differs between any two requests
+
+
+def _content(raw: bytes) -> str:
+    """Everything a stream said, with its chunk boundaries taken away."""
+    out = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: {"):
+            for choice in json.loads(line[6:]).get("choices") or []:
+                out.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+                out.append(f"[{choice.get('finish_reason')}]" if choice.get("finish_reason") else "")
+    return "".join(out)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.8, "top_p": 0.95, "seed": 1234}])
+def test_streams_through_watch_are_the_bytes_vllm_sends_straight(vllm_server, vllm_watch, chat, sampling) -> None:
+    url = vllm_server.check_alive().url
+    body: dict[str, Any] = {"model": _model(url), "max_tokens": MAX_TOKENS, "stream": True, **sampling}
+    if chat:
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": CHAT[1]}]
+    else:
+        path, body["prompt"] = "/v1/completions", PLAIN[4]
+    tries = []
+    for attempt in range(3):
+        # vLLM names the response after X-Request-Id: the same id makes the two comparable byte for byte
+        headers = {"X-Request-Id": f"watch-identity-{chat}-{sampling['temperature']}-{attempt}"}
+        direct = httpx.post(url + path, json=body, headers=headers, timeout=120)
+        through = httpx.post(vllm_watch.url + path, json=body, headers=headers, timeout=120)
+        assert through.status_code == direct.status_code == 200
+        assert through.headers["content-type"] == direct.headers["content-type"]
+        tries.append((_normal(direct.content), _normal(through.content)))
+        # what was said is always the same; vLLM's chunking follows its own timing (two direct
+        # requests can group tokens differently under load), so the bytes are compared again then
+        assert _content(tries[-1][1]) == _content(tries[-1][0])
+        if tries[-1][0] == tries[-1][1]:
+            break
+    assert tries[-1][0] == tries[-1][1], f"never byte-identical in {len(tries)} tries: {tries[-1]}"
+    assert b'"logprobs":null' in tries[-1][1] and b"token_id:" not in tries[-1][1]  # what the proxy asked, taken off
+
+
+def test_an_honest_fp32_vllm_shows_no_real_divergence(vllm_server, vllm_watch) -> None:
+    url, model = vllm_watch.url, _model(vllm_server.check_alive().url)
+
+    async def send() -> None:
+        async with httpx.AsyncClient(timeout=300) as client:
+            reqs = [client.post(url + "/v1/completions", json={"model": model, "prompt": p, "max_tokens": MAX_TOKENS,
+                                                                "temperature": 0, "stream": True}) for p in PLAIN]
+            reqs += [client.post(url + "/v1/chat/completions", json={
+                "model": model, "messages": [{"role": "user", "content": c}], "max_tokens": MAX_TOKENS,
+                "temperature": 0.8, "seed": 7, "stream": False}) for c in CHAT[:4]]
+            assert all(r.status_code == 200 for r in await asyncio.gather(*reqs))
+
+    asyncio.run(send())
+    assert vllm_watch.watch.settle(300)
+    status = httpx.get(url + "/watch/status").json()
+    totals = status["totals"]
+    assert totals["requests_checked"] >= 12 and status["queue"]["dropped"] == 0
+    assert totals["requests_real"] == 0 and totals["positions"]["real"] == totals["positions"]["logprob"] == 0, \
+        status["latest_real"][:1]
+    assert totals["positions"]["ok"] >= 12 * MAX_TOKENS * 0.9
+    metrics = httpx.get(url + "/metrics").text
+    assert "vllm:" in metrics and "workbench_watch_requests_real_divergence_total 0.0" in metrics
+    print(f"\nwatch checker on fp32 vLLM: {status['checker']}")
+
+
+class _FaultLayer:
+    """A relay between the proxy and vLLM that changes the sampling of requests marked `x-inject-fault`."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.client = httpx.AsyncClient(timeout=None)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        headers = {k.decode(): v.decode() for k, v in scope["headers"] if k not in (b"host", b"content-length")}
+        if headers.pop("x-inject-fault", None):
+            obj = json.loads(body)
+            obj.update(temperature=1.5, seed=11)
+            body = json.dumps(obj).encode()
+        resp = await self.client.post(self.upstream + scope["path"], content=body, headers=headers)
+        await send({"type": "http.response.start", "status": resp.status_code,
+                    "headers": [(b"content-type", resp.headers["content-type"].encode())]})
+        await send({"type": "http.response.body", "body": resp.content})
+
+
+def test_a_fault_injected_between_proxy_and_vllm_is_flagged_within_seconds(vllm_server, reference, tmp_path) -> None:
+    import uvicorn
+
+    from workbench.external.peers import free_port
+
+    port = free_port()
+    layer = uvicorn.Server(uvicorn.Config(_FaultLayer(vllm_server.check_alive().url), host="127.0.0.1", port=port,
+                                          log_level="warning"))
+    thread = threading.Thread(target=layer.run, daemon=True)
+    thread.start()
+    while not layer.started:
+        time.sleep(0.02)
+    model = _model(vllm_server.url)
+    try:
+        watch = Watch(f"http://127.0.0.1:{port}", out=tmp_path, sample=1.0, engine=reference)
+        with WatchServer(watch) as server:
+            def one(prompt: str, fault: bool) -> None:
+                r = httpx.post(server.url + "/v1/completions", timeout=120,
+                               headers={"x-inject-fault": "1"} if fault else {},
+                               json={"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+                assert r.status_code == 200
+
+            for p in PLAIN[:3]:
+                one(p, False)
+            sent = time.monotonic()
+            one(PLAIN[5], True)
+            while True:
+                metrics = httpx.get(server.url + "/metrics").text
+                if "workbench_watch_requests_real_divergence_total 1.0" in metrics:
+                    break
+                assert time.monotonic() - sent < 60, "the injected fault was not flagged within 60 s"
+                time.sleep(0.2)
+            flagged_after = time.monotonic() - sent
+            status = httpx.get(server.url + "/watch/status").json()
+    finally:
+        layer.should_exit = True
+        thread.join(timeout=10)
+    assert status["totals"]["requests_real"] == 1  # only the faulted one
+    latest = status["latest_real"][0]
+    assert latest["greedy"] and latest["verdict"] == "real"
+    assert latest["engine"]["id"] != latest["reference"]["id"]  # its token beside the reference's
+    assert any(t["verdict"] == "real" for t in latest["tokens"])
+    from workbench.trace.reader import open_trace
+
+    with open_trace(latest["trace"]) as trace:
+        assert next(r for r in trace.requests() if r.req_id == latest["req_id"]).added.prompt == PLAIN[5]
+    print(f"\ninjected fault flagged {flagged_after:.1f} s after its request was sent")
+    assert flagged_after < 30
+
+
+def test_llamacpp_divergences_are_found_as_check_finds_them(llamacpp_server, reference, tmp_path) -> None:
+    from workbench.external.check import check_trace
+    from workbench.external.probe import probe
+    from workbench.external.records import ProbeRequest
+    from workbench.trace.checks import read_checks
+
+    url = llamacpp_server.check_alive().url
+    greedy = {"temperature": 0.0, "repeat_penalty": 1.0}
+    prompts = PLAIN
+    direct = probe(url, [ProbeRequest(prompt=p, params=greedy) for p in prompts], tmp_path / "direct.wbtrace",
+                   concurrency=1, top_logprobs=5, max_tokens=32, progress=False)
+    assert direct.errors == []
+    checked = check_trace(tmp_path / "direct.wbtrace", "smollm2", engine=reference, progress=False)
+    watch = Watch(url, out=tmp_path / "watch", sample=1.0, engine=reference)
+    model = _model(url)
+    with WatchServer(watch) as server:
+        for p in prompts:
+            r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+                "model": model, "prompt": p, "max_tokens": 32, "stream": True, **greedy})
+            assert r.status_code == 200 and b'"logprobs": null' in r.content or b'"logprobs":null' in r.content
+        assert watch.settle(300)
+        status = httpx.get(server.url + "/watch/status").json()
+    rows = {}
+    for path in watch.recorder.files:
+        rows |= read_checks(path)
+    from workbench.trace.reader import open_trace
+
+    prompt_of = {}
+    for path in watch.recorder.files:
+        with open_trace(path) as trace:
+            prompt_of |= {r.req_id: r.added.prompt for r in trace.requests()}
+    by_prompt = {prompt_of[k]: v for k, v in rows.items()}
+    assert len(by_prompt) == len(prompts)
+    for rc, p in zip(checked.requests, prompts):
+        row = by_prompt[p]
+        # the same engine tokens, the same verdicts at the same positions as `workbench check`
+        assert [q["token_id"] for q in row["positions"]] == [q.token_id for q in rc.positions], p
+        assert (row["first_divergence"], row["divergence_class"]) == (rc.first_divergence, rc.divergence_class), p
+        assert [q["verdict"] for q in row["positions"]] == [q.verdict for q in rc.positions]
+    assert checked.real_divergences, "Q4_1 against fp32 showed no real divergence: nothing to find"
+    assert status["totals"]["requests_real"] == len(checked.real_divergences)
+    print(f"\nllama.cpp through watch: {status['totals']}")
