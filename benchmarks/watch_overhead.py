@@ -93,6 +93,13 @@ def _start_watch(upstream: str, sample: float, out: str) -> tuple[subprocess.Pop
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     _wait(url, proc)
+    import httpx
+
+    deadline = time.monotonic() + 300  # the checker's reference loads on its thread: measure after that
+    while httpx.get(url + "/watch/status", timeout=10).json()["reference_state"] == "loading":
+        if time.monotonic() > deadline:
+            raise RuntimeError("the watch's reference did not load in 300 s")
+        time.sleep(0.5)
     return proc, url
 
 

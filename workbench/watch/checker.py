@@ -21,6 +21,7 @@ from typing import Any
 from workbench.external.check_report import CheckReport, RequestCheck
 from workbench.watch.metrics import LiveStatus, WatchMetrics
 from workbench.watch.recorder import CheckItem
+from workbench.watch.threads import yield_to_traffic
 
 
 class Checker:
@@ -72,6 +73,7 @@ class Checker:
     # --- the thread ------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        yield_to_traffic(10)
         try:
             engine = self.engine_factory()
             self.status.reference_state = "ready"
@@ -137,3 +139,4 @@ class Checker:
                 del self._reports[old]
         self.status.add([(rc, it.trace) for it, rc in zip(items, results)], busy,
                         time.perf_counter() - max(it.received for it in items))
+

@@ -27,6 +27,7 @@ from workbench.external.identity import safe_headers
 from workbench.external.recording import added_event, apply_chunk, external_meta, finished_event, token_event
 from workbench.external.records import ProbeRequest, RequestRecord
 from workbench.watch.exchange import Exchange, safe_body
+from workbench.watch.threads import yield_to_traffic
 
 _HEAVY = ("prompt", "messages", "model", "stream", "stream_options", "tools", "response_format")
 
@@ -99,6 +100,7 @@ class Recorder:
     # --- the thread ------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        yield_to_traffic(5)
         while True:
             ex = self.queue.get()
             try:

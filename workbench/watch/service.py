@@ -48,8 +48,13 @@ class Watch:
                 return engine
             if engine_factory is not None:
                 return engine_factory()
-            from workbench.engine.engine import Engine
+            import torch
 
+            from workbench.engine.engine import Engine
+            from workbench.watch.threads import check_threads
+
+            if device == "cpu":  # one core is left for the traffic
+                torch.set_num_threads(check_threads())
             return Engine(reference, device=device, trace=None, trace_level="off")
 
         self.checker = Checker(factory, metrics=self.metrics, status=self.status, tolerance=float(tolerance),
