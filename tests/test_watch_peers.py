@@ -203,8 +203,10 @@ def test_a_fault_injected_between_proxy_and_vllm_is_flagged_within_seconds(vllm_
     assert flagged_after < 30
 
 
-def test_llamacpp_divergences_are_found_as_check_finds_them(llamacpp_server, reference, tmp_path) -> None:
-    """The watch's live verdicts on llama.cpp's traffic are those `workbench check` gives its recorded trace."""
+def test_llamacpp_divergences_are_found_as_check_finds_them(llamacpp_server, vllm_server, reference,
+                                                            tmp_path) -> None:
+    """The watch's live verdicts on llama.cpp's traffic are those `workbench check` gives its recorded
+    trace, with the local reference and with the fp32 vLLM as the reference (`--reference URL`)."""
     from workbench.external.check import check_trace
     from workbench.trace.checks import read_checks
     from workbench.trace.reader import open_trace
@@ -232,6 +234,14 @@ def test_llamacpp_divergences_are_found_as_check_finds_them(llamacpp_server, ref
         assert (row["first_divergence"], row["divergence_class"]) == (rc.first_divergence, rc.divergence_class)
         assert [q["verdict"] for q in row["positions"]] == [q.verdict for q in rc.positions]
     assert report.real_divergences, "Q4_1 against fp32 showed no real divergence: nothing to find"
+    from workbench.external.server_reference import ServerReference
+
+    served = check_trace(path, vllm_server.check_alive().url, engine=ServerReference(vllm_server.url), store=False,
+                         progress=False)
+    for local, remote in zip(report.requests, served.requests, strict=True):
+        assert [q.verdict for q in remote.positions] == [q.verdict for q in local.positions]
+        assert [q.ref_argmax for q in remote.positions] == [q.ref_argmax for q in local.positions]
+        assert max(abs(a.ref_logprob - b.ref_logprob) for a, b in zip(local.positions, remote.positions)) < 1e-3
     assert status["totals"]["requests_real"] == len(report.real_divergences)
     assert status["latest_real"] and status["latest_real"][0]["req_id"] in {r.req_id for r in report.real_divergences}
     print(f"\nllama.cpp through watch: {status['totals']}")

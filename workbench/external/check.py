@@ -62,9 +62,10 @@ def check_trace(path: str | Path, reference: str = "smollm2", *, tolerance: floa
         probed_with = (trace.meta.get("reference") or {}).get("tokenizer") if source == "external" else None
         todo = _recorded(trace)
     warnings = []
-    if isinstance(probed_with, str) and probed_with and probed_with != reference:
+    reads_with = getattr(engine, "tokenizer_spec", None) or reference  # a server reference names its tokenizer
+    if isinstance(probed_with, str) and probed_with and probed_with != reads_with:
         warnings.append(f"the probe read prompts and recovered token ids with the tokenizer of {probed_with!r}, "
-                        f"not {reference!r}: ids may not mean the same tokens")
+                        f"not {reads_with!r}: ids may not mean the same tokens")
     if engine is None:
         from workbench.engine.engine import Engine
 

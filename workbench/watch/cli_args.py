@@ -22,8 +22,11 @@ def add_watch_args(p: argparse.ArgumentParser) -> None:
                    help="folder of the rolling trace files (default ./watch-traces)")
     p.add_argument("--max-trace-mb", type=float, default=64.0, help="size of one trace file before rotation (default 64)")
     p.add_argument("--keep", type=int, default=8, help="trace files kept; older ones are deleted (default 8)")
-    p.add_argument("--reference", default="smollm2", metavar="MODEL",
-                   help="the reference model spec the checker teacher-forces through (default smollm2)")
+    p.add_argument("--reference", default="smollm2", metavar="MODEL|URL",
+                   help="the reference model spec the checker teacher-forces through (default smollm2), or the "
+                        "URL of a server that returns prompt logprobs (vLLM): a trusted deployment")
+    p.add_argument("--tokenizer", default=None, metavar="MODEL",
+                   help="the tokenizer of the model served (default: the reference's; smollm2 with a URL)")
     p.add_argument("--device", default="cpu", help="where the reference runs (default cpu: float32)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="nats: as `workbench check --tolerance` (default 0.05)")
@@ -41,7 +44,7 @@ def run_watch(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     if args.max_trace_mb <= 0:
         raise ValueError(f"--max-trace-mb must be > 0, got {args.max_trace_mb}")
-    watch = Watch(args.upstream, out=args.out, sample=args.sample, reference=args.reference,
+    watch = Watch(args.upstream, out=args.out, sample=args.sample, reference=args.reference, tokenizer=args.tokenizer,
                   tolerance=args.tolerance, device=args.device, top=args.top_logprobs,
                   max_bytes=int(args.max_trace_mb * (1 << 20)), keep=args.keep, check_capacity=args.check_queue,
                   check_batch=args.check_batch)

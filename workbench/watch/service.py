@@ -24,14 +24,16 @@ class Watch:
     """Everything behind `workbench watch --upstream URL`.
 
     `engine`: an existing `Engine` on the reference (tests reuse one); otherwise the checker's
-    thread loads `reference` on `device` (or calls `engine_factory()`). `sample`: the fraction of generation requests checked.
+    thread loads `reference` on `device` (or calls `engine_factory()`); a `reference` that is a URL
+    is a server teacher-forced through (vLLM's prompt logprobs), whose model's `tokenizer` (a model
+    spec, default: `reference`, or smollm2 for a URL) reads the prompts and recovers token ids. `sample`: the fraction of generation requests checked.
     """
 
     def __init__(self, upstream: str, *, out: str | Path = "watch-traces", sample: float = 0.1,
                  reference: str = "smollm2", tolerance: float | None = None, engine: Any = None,
                  device: str = "cpu", top: int = 5, max_bytes: int = 64 << 20, keep: int = 8,
                  check_capacity: int = 256, check_batch: int = 8, seed: int | None = None,
-                 model: str | None = None, engine_factory: Any = None) -> None:
+                 model: str | None = None, engine_factory: Any = None, tokenizer: str | None = None) -> None:
         from workbench.external.check import DEFAULT_TOLERANCE
         from workbench.external.probe import base_url
         from workbench.external.token_ids import load_reference_tokenizer
@@ -43,11 +45,17 @@ class Watch:
         self.metrics = WatchMetrics()
         self.status = LiveStatus(upstream=self.upstream, sample=sample, tolerance=float(tolerance), reference=reference)
 
+        remote = reference.startswith(("http://", "https://"))
+
         def factory() -> Any:
             if engine is not None:
                 return engine
             if engine_factory is not None:
                 return engine_factory()
+            if remote:  # a server with prompt logprobs is the reference (server_reference.py)
+                from workbench.external.server_reference import ServerReference
+
+                return ServerReference(reference, tokenizer or "smollm2")
             import torch
 
             from workbench.engine.engine import Engine
@@ -59,8 +67,8 @@ class Watch:
 
         self.checker = Checker(factory, metrics=self.metrics, status=self.status, tolerance=float(tolerance),
                                capacity=check_capacity, batch=check_batch, reference=reference)
-        tokenizer = load_reference_tokenizer(reference)
-        self.recorder = Recorder(out, tokenizer, upstream=self.upstream, model=model, max_bytes=max_bytes, keep=keep,
+        tok = load_reference_tokenizer(tokenizer or ("smollm2" if remote else reference))
+        self.recorder = Recorder(out, tok, upstream=self.upstream, model=model, max_bytes=max_bytes, keep=keep,
                                  on_sampled=self.checker.submit)
         self.metrics.bind(self.checker.queue.qsize, check_capacity, lambda: self.recorder.dropped)
         self.proxy = WatchProxy(self.upstream, recorder=self.recorder, metrics=self.metrics, status=self.status,
