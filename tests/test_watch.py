@@ -158,6 +158,22 @@ def test_errors_status_codes_and_other_paths_pass_through(fake, sampled, status)
         assert _get(sampled.url, path) == _get(fake.url, path)
 
 
+def test_an_upstream_that_refuses_the_added_fields_still_serves_the_client(fake, tmp_path) -> None:
+    watch = Watch(fake.url, out=tmp_path, sample=1.0, engine_factory=lambda: None)
+    with WatchServer(watch) as server:
+        # the client's own bad request: answered as the upstream answers it, and nothing learnt from it
+        bad = {"x-fake-strict": "1", "x-fake-status": "400"}
+        assert _get(server.url, "/v1/completions", _body(False, True), bad) == \
+            _get(fake.url, "/v1/completions", _body(False, True), bad)
+        assert watch.proxy.ids_ok
+        strict = {"x-fake-strict": "1"}
+        body = _body(False, True, prompt="strict")
+        assert _get(server.url, "/v1/completions", body, strict) == _get(fake.url, "/v1/completions", body, strict)
+        assert not watch.proxy.ids_ok and watch.proxy.logprobs_ok  # ids dropped, logprobs still asked
+        info, tokens = next(v for v in _trace_requests(server).values() if v[0].added.prompt == "strict")
+        assert len(tokens) == 8 and {t.source for t in tokens} == {"external_recovered"}  # ids from the text
+
+
 def test_an_unreachable_upstream_is_a_502_with_an_openai_shaped_message(tmp_path) -> None:
     from workbench.external.peers import free_port
 

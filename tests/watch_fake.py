@@ -5,7 +5,7 @@ fixed ids, `created` and ids derived from the prompt, so a response straight fro
 the proxy can be compared byte for byte. Logprobs, `token_ids` and `token_id:N` strings appear only
 when asked, as vLLM does. Headers steer faults: `x-fake-delay` (seconds between chunks),
 `x-fake-die-after` (chunks sent before the connection is cut, no end of body), `x-fake-status`
-(answer that status with an OpenAI-shaped error). `cancelled` lists the prompts whose client went
+(answer that status with an OpenAI-shaped error), `x-fake-strict` (400 to vLLM's token-id fields). `cancelled` lists the prompts whose client went
 away mid-stream; `bodies` every JSON body received.
 """
 
@@ -51,6 +51,8 @@ class FakeUpstream:
         req = json.loads(body)
         with self.lock:
             self.bodies.append(req)
+        if "x-fake-strict" in headers and ("return_token_ids" in req or "return_tokens_as_token_ids" in req):
+            return await _reply(send, 400, {"error": {"message": "unknown field return_token_ids", "code": 400}})
         if "x-fake-status" in headers:
             status = int(headers["x-fake-status"])
             return await _reply(send, status, {"error": {"message": f"fake error {status}", "type": "BadRequestError",

@@ -173,16 +173,19 @@ class WatchProxy:
         """Send the sampled body; a 400 to what was added sends it again with less (learnt for next time)."""
         # the response must come back as the bytes it would have been: nothing compressed to unpack
         headers = [(k, v) for k, v in headers if k.lower() != b"accept-encoding"] + [(b"accept-encoding", b"identity")]
+        refused_ids = False
         for ids in ([True, False] if self.ids_ok else [False]):
             sent, rw = plan_rewrite(ex.body, ex.chat, top=self.top, ids=ids)
             resp = await self._open(method, url, headers, json.dumps(sent).encode())
             if resp.status_code not in (400, 422):
+                if refused_ids:  # learnt only now: the 400 was to the id fields, not to the client's request
+                    self.ids_ok = False
+                    self.status.note("the upstream refuses vLLM's token-id fields: ids are recovered from token text")
                 ex.sent_body = {k: v for k, v in sent.items() if k not in ex.body or sent[k] != ex.body[k]}
                 return resp, rw
             await resp.aread()
             await resp.aclose()
-            if ids:
-                self.ids_ok = False
+            refused_ids = refused_ids or ids
         resp = await self._open(method, url, headers, body)  # as the client sent it
         if resp.status_code < 400:
             self.logprobs_ok = False
