@@ -274,6 +274,12 @@ def test_metrics_merge_the_upstreams_and_the_proxys(fake, sampled) -> None:
     assert "fake_up" not in own and "workbench_watch_positions_checked_total" in own
 
 
+def test_the_live_page_is_served_and_reads_the_status(sampled) -> None:
+    r = httpx.get(sampled.url + "/watch")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert 'fetch("/watch/status")' in r.text and "latest" in r.text
+
+
 def test_credentials_never_reach_the_traces(sampled) -> None:
     body = _body(False, False, prompt="with credentials", api_key="sk-body-secret-4711")
     r = httpx.post(sampled.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-header-secret-4711"})

@@ -153,7 +153,8 @@ class _FaultLayer:
         await send({"type": "http.response.body", "body": resp.content})
 
 
-def test_a_fault_injected_between_proxy_and_vllm_is_flagged_within_seconds(vllm_server, reference, tmp_path) -> None:
+def test_a_fault_injected_between_proxy_and_vllm_is_flagged_within_seconds(vllm_server, reference, browser,
+                                                                          tmp_path) -> None:
     import uvicorn
 
     from workbench.external.peers import free_port
@@ -177,6 +178,9 @@ def test_a_fault_injected_between_proxy_and_vllm_is_flagged_within_seconds(vllm_
 
             for p in PLAIN[:3]:
                 one(p, False)
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(server.url + "/watch")
+            page.wait_for_function("document.getElementById('checked').textContent !== ''", timeout=30_000)
             sent = time.monotonic()
             one(PLAIN[5], True)
             while True:
@@ -187,6 +191,13 @@ def test_a_fault_injected_between_proxy_and_vllm_is_flagged_within_seconds(vllm_
                 time.sleep(0.2)
             flagged_after = time.monotonic() - sent
             status = httpx.get(server.url + "/watch/status").json()
+            # the live page shows it within its next refresh; a click opens its tokens beside the reference's
+            page.wait_for_function("document.querySelectorAll('#latest tbody tr').length === 1", timeout=5_000)
+            assert page.locator("#real").text_content() == "1"
+            page.locator("#latest tbody tr").first.click()
+            detail = page.locator("#detail").text_content()
+            page_real_rows = page.locator("#detail tr.v-real").count()
+            page.close()
     finally:
         layer.should_exit = True
         thread.join(timeout=10)
@@ -195,6 +206,8 @@ def test_a_fault_injected_between_proxy_and_vllm_is_flagged_within_seconds(vllm_
     assert latest["greedy"] and latest["verdict"] == "real"
     assert latest["engine"]["id"] != latest["reference"]["id"]  # its token beside the reference's
     assert any(t["verdict"] == "real" for t in latest["tokens"])
+    assert latest["req_id"] in detail and json.dumps(latest["engine"]["text"]) in detail
+    assert json.dumps(latest["reference"]["text"]) in detail and page_real_rows >= 1
     from workbench.trace.reader import open_trace
 
     with open_trace(latest["trace"]) as trace:

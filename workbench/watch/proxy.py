@@ -2,7 +2,7 @@
 
 Owns: passing every request to the upstream and its answer back (status, headers, bytes: a stream's
 chunks are relayed as they arrive, unchanged), the proxy's own paths (`/watch/status`, the live
-view's JSON; `/watch/metrics`, the proxy's Prometheus metrics alone; `/metrics`, the upstream's
+view's JSON, and `/watch`, its page; `/watch/metrics`, the proxy's Prometheus metrics alone; `/metrics`, the upstream's
 metrics with the proxy's appended), and, for a sampled fraction of generation requests, asking the
 upstream for what the checker needs and taking it off again (rewrite.py) so the client's bytes are
 what they would have been. No failure mode of its own: an unreachable upstream answers 502 with an
@@ -80,6 +80,11 @@ class WatchProxy:
         path, method = scope["path"], scope["method"]
         if path == "/watch/status" and method == "GET":
             await _send_json(send, 200, self.status.snapshot(self.status_extra()))
+            return
+        if path in ("/watch", "/watch/") and method == "GET":
+            from workbench.watch.page import PAGE
+
+            await _send_bytes(send, 200, PAGE.encode(), b"text/html; charset=utf-8")
             return
         if path == "/watch/metrics" and method == "GET":
             await _send_bytes(send, 200, self.metrics.render().encode(), b"text/plain; version=0.0.4; charset=utf-8")
