@@ -1,10 +1,11 @@
 """The watch's checker: sampled requests teacher-forced through the reference, off the hot path.
 
 Owns: a bounded queue (`submit` never blocks: when the checker falls behind, the request is dropped,
-counted in `workbench_watch_check_dropped_total` and said in /watch/status), a thread that loads the
-reference (`Engine`, as `workbench check` does) and scores what is queued in batches (up to `batch`
-requests in one prefill, through `workbench.external.check.score`: the same verdicts as `check`,
-classified with the same tolerance), and what follows each batch: its rows added to the `checks`
+counted in `workbench_watch_check_dropped_total` and said in /watch/status), a thread that starts
+the scorer (scorer.py: the reference `Engine`, as `workbench check` loads it, in a process of its
+own) and has it score what is queued in batches (up to `batch` requests in one prefill, through
+`workbench.external.check.score`: the same verdicts as `check`, with the same tolerance), and what
+follows each batch: its rows added to the `checks`
 table of the trace file that holds each request, the metrics and the live view. Does not own the
 verdicts' rules (external/check.py) or the recording (recorder.py).
 """
@@ -15,7 +16,6 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 from workbench.external.check_report import CheckReport, RequestCheck
@@ -25,15 +25,15 @@ from workbench.watch.threads import yield_to_traffic
 
 
 class Checker:
-    """Scores `CheckItem`s in a thread of its own; `engine_factory` builds the reference there."""
+    """Scores `CheckItem`s in a thread of its own through `scorer` (scorer.py), started there."""
 
-    def __init__(self, engine_factory: Callable[[], Any], *, metrics: WatchMetrics, status: LiveStatus,
+    def __init__(self, scorer: Any, *, metrics: WatchMetrics, status: LiveStatus,
                  tolerance: float, capacity: int = 256, batch: int = 8, reference: str = "smollm2") -> None:
         if not 1 <= capacity <= 1_000_000:
             raise ValueError(f"check queue capacity must be in [1, 1000000], got {capacity}")
         if not 1 <= batch <= 256:
             raise ValueError(f"check batch must be in [1, 256], got {batch}")
-        self.engine_factory, self.metrics, self.status = engine_factory, metrics, status
+        self.scorer, self.metrics, self.status = scorer, metrics, status
         self.tolerance, self.batch, self.capacity, self.reference = tolerance, batch, capacity, reference
         self.queue: queue.Queue[CheckItem] = queue.Queue(maxsize=capacity)
         self.dropped = 0
@@ -75,26 +75,28 @@ class Checker:
     def _run(self) -> None:
         yield_to_traffic(10)
         try:
-            engine = self.engine_factory()
+            self.scorer.start()
+            ready = True
             self.status.reference_state = "ready"
         except Exception as exc:  # nothing can be checked; the proxy goes on passing traffic
             self.error = f"the reference {self.reference!r} did not load: {type(exc).__name__}: {exc}"
             self.status.reference_state = "failed"
             self.status.note(self.error)
-            engine = None
+            ready = False
         while not self._stop.is_set():
             items = self._take()
             if items is None:
-                return
+                break
             try:
-                if engine is not None:
-                    self._check(engine, items)
+                if ready:
+                    self._check(items)
             except Exception as exc:
                 self.metrics.check_errors.inc()
                 self.status.note(f"a check batch failed: {type(exc).__name__}: {exc}")
             finally:
                 for _ in items:
                     self.queue.task_done()
+        self.scorer.close()
 
     def _take(self) -> list[CheckItem] | None:
         """The next batch (waits for its first item); None once `close()` was called."""
@@ -113,12 +115,11 @@ class Checker:
                 break
         return items
 
-    def _check(self, engine: Any, items: list[CheckItem]) -> None:
-        from workbench.external.check import score
+    def _check(self, items: list[CheckItem]) -> None:
         from workbench.trace.checks import add_checks
 
         t0 = time.perf_counter()
-        results = score(engine, [it.scored for it in items], self.tolerance)
+        results = self.scorer.score([it.scored for it in items])
         busy = time.perf_counter() - t0
         by_file: dict[str, list[RequestCheck]] = defaultdict(list)
         for it, rc in zip(items, results, strict=True):

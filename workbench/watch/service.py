@@ -18,13 +18,15 @@ from workbench.watch.checker import Checker
 from workbench.watch.metrics import LiveStatus, WatchMetrics
 from workbench.watch.proxy import WatchProxy
 from workbench.watch.recorder import Recorder
+from workbench.watch.scorer import ProcessScorer, ThreadScorer
+from workbench.watch.threads import check_threads
 
 
 class Watch:
     """Everything behind `workbench watch --upstream URL`.
 
-    `engine`: an existing `Engine` on the reference (tests reuse one); otherwise the checker's
-    thread loads `reference` on `device` (or calls `engine_factory()`); a `reference` that is a URL
+    `engine`: an existing `Engine` on the reference (tests reuse one; or `engine_factory()` builds
+    one on the checker's thread); otherwise a process of the checker's loads `reference` on `device`; a `reference` that is a URL
     is a server teacher-forced through (vLLM's prompt logprobs), whose model's `tokenizer` (a model
     spec, default: `reference`, or smollm2 for a URL) reads the prompts and recovers token ids. `sample`: the fraction of generation requests checked.
     """
@@ -46,26 +48,21 @@ class Watch:
         self.status = LiveStatus(upstream=self.upstream, sample=sample, tolerance=float(tolerance), reference=reference)
 
         remote = reference.startswith(("http://", "https://"))
-
-        def factory() -> Any:
-            if engine is not None:
-                return engine
-            if engine_factory is not None:
-                return engine_factory()
-            if remote:  # a server with prompt logprobs is the reference (server_reference.py)
+        scorer: Any
+        if engine is not None or engine_factory is not None or remote:  # a server reference waits on HTTP only
+            def factory() -> Any:
+                if engine is not None:
+                    return engine
+                if engine_factory is not None:
+                    return engine_factory()
                 from workbench.external.server_reference import ServerReference
 
                 return ServerReference(reference, tokenizer or "smollm2")
-            import torch
 
-            from workbench.engine.engine import Engine
-            from workbench.watch.threads import check_threads
-
-            if device == "cpu":  # one core is left for the traffic
-                torch.set_num_threads(check_threads())
-            return Engine(reference, device=device, trace=None, trace_level="off")
-
-        self.checker = Checker(factory, metrics=self.metrics, status=self.status, tolerance=float(tolerance),
+            scorer = ThreadScorer(factory, float(tolerance))
+        else:  # the reference's Python in a process of its own, away from the proxy's interpreter lock
+            scorer = ProcessScorer(reference, device=device, tolerance=float(tolerance), threads=check_threads())
+        self.checker = Checker(scorer, metrics=self.metrics, status=self.status, tolerance=float(tolerance),
                                capacity=check_capacity, batch=check_batch, reference=reference)
         tok = load_reference_tokenizer(tokenizer or ("smollm2" if remote else reference))
         self.recorder = Recorder(out, tok, upstream=self.upstream, model=model, max_bytes=max_bytes, keep=keep,
