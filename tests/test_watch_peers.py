@@ -153,8 +153,8 @@ class _FaultLayer:
         await send({"type": "http.response.body", "body": resp.content})
 
 
-def test_a_fault_injected_between_proxy_and_vllm_is_flagged_within_seconds(vllm_server, reference, browser,
-                                                                          tmp_path) -> None:
+def test_a_fault_injected_between_proxy_and_vllm_is_flagged_within_seconds(vllm_server, browser, tmp_path) -> None:
+    """As `workbench watch` runs it: the reference loads in the checker's own process."""
     import uvicorn
 
     from workbench.external.peers import free_port
@@ -168,8 +168,13 @@ def test_a_fault_injected_between_proxy_and_vllm_is_flagged_within_seconds(vllm_
         time.sleep(0.02)
     model = _model(vllm_server.url)
     try:
-        watch = Watch(f"http://127.0.0.1:{port}", out=tmp_path, sample=1.0, engine=reference)
+        watch = Watch(f"http://127.0.0.1:{port}", out=tmp_path, sample=1.0)
         with WatchServer(watch) as server:
+            deadline = time.monotonic() + 300
+            while watch.status.reference_state == "loading":
+                assert time.monotonic() < deadline, "the reference process did not load in 300 s"
+                time.sleep(0.2)
+            assert watch.status.reference_state == "ready", watch.status.notes
             def one(prompt: str, fault: bool) -> None:
                 r = httpx.post(server.url + "/v1/completions", timeout=120,
                                headers={"x-inject-fault": "1"} if fault else {},
