@@ -304,3 +304,10 @@ def test_traces_rotate_at_their_size_cap_and_each_file_opens(fake, tmp_path) -> 
     for path in files:
         with open_trace(path) as trace:
             assert trace.requests() and all(r.finished is not None for r in trace.requests())
+
+
+def test_the_command_refuses_a_bad_value_in_one_line(capsys) -> None:
+    from workbench.cli import main
+
+    assert main(["watch", "--upstream", "http://127.0.0.1:9", "--sample", "1.5"]) == 2
+    assert "--sample must be a fraction in [0, 1], got 1.5" in capsys.readouterr().err

@@ -40,6 +40,10 @@ def add_watch_args(p: argparse.ArgumentParser) -> None:
 def run_watch(args: argparse.Namespace) -> int:
     from workbench.watch.service import Watch, WatchServer
 
+    if not 0.0 <= args.sample <= 1.0:
+        raise ValueError(f"--sample must be a fraction in [0, 1], got {args.sample}")
+    if not 1 <= args.top_logprobs <= 20:
+        raise ValueError(f"--top-logprobs must be in [1, 20], got {args.top_logprobs}")
     if not 1 <= args.port <= 65535:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     if args.max_trace_mb <= 0:
