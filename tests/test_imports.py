@@ -115,7 +115,7 @@ def test_no_module_of_the_project_is_in_an_import_circle() -> None:
 # The packages from the bottom up: a package may import only those below it. `tui` and `notebook` are
 # viewers (they read traces; clients for live mode; the notebook names rerun's report type), `cli` is
 # the top. Each layer is the folder list of the README's Layout section, read bottom to top.
-LAYERS = ["trace", "models", "engine", "clients", "external", "rerun", "server", "notebook", "tui", "cli"]
+LAYERS = ["trace", "models", "engine", "clients", "external", "rerun", "watch", "server", "notebook", "tui", "cli"]
 
 
 def _package(module: str) -> str | None:

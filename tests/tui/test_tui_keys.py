@@ -1,4 +1,4 @@
-"""Pilot tests of every key binding of the main screen, on the example trace (tests/test_tui_fixtures.py).
+"""Pilot tests of every key binding of the main screen, on the example trace (tests/tui/test_tui_fixtures.py).
 
 `KEYS_TESTED` lists the keys these tests press; a binding added to the screen without a test here
 fails `test_every_binding_is_tested`.

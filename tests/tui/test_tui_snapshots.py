@@ -1,4 +1,4 @@
-"""SVG snapshots of the main screen at three steps of the example trace (tests/test_tui_fixtures.py).
+"""SVG snapshots of the main screen at three steps of the example trace (tests/tui/test_tui_fixtures.py).
 
 A prefill step, the speculative step where req-1's third draft is rejected, and the step where the
 stop string "\\n\\n" finishes req-0. The trace is written with fixed times, so every run renders

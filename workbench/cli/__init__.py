@@ -3,7 +3,7 @@
 Owns: the top-level parser, dispatch, and the one error convention (a user error, a bad value or an
 unreadable trace, prints one line and exits 2; no tracebacks). Each command's flags and its running
 live with its package, as `add_*_args(parser)` and `run_*(args)`: the server's in server/cli_args.py,
-the peers' in external/cli_args.py, the re-runs' in rerun/cli_args.py, the load client's in
+the peers' in external/cli_args.py, the live proxy's in watch/cli_args.py, the re-runs' in rerun/cli_args.py, the load client's in
 clients/cli_args.py, export's in trace/cli_args.py, the TUI's in tui/cli.py, and the engine's own
 commands in cli/generate.py. A `run_*` does its heavy imports (torch, the engine, textual, fastapi)
 itself, so `workbench --help` and the viewers start fast.
@@ -50,6 +50,8 @@ COMMANDS = [
             "workbench.external.cli_args", "probe"),
     Command("check", "score a trace token by token against the reference model (teacher forcing)",
             "workbench.external.cli_args", "check"),
+    Command("watch", "a proxy in front of any OpenAI-compatible server that checks a sample of its live "
+            "traffic against the reference", "workbench.watch.cli_args", "watch"),
     Command("floor", "measure an engine's disagreement with itself (same requests twice, or two replicas)",
             "workbench.external.cli_args", "floor"),
     Command("resend", "re-send a recorded trace's requests to another upstream and record it like probe",

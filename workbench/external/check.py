@@ -88,9 +88,10 @@ def check_trace(path: str | Path, reference: str = "smollm2", *, tolerance: floa
     if importance is None and imported:
         importance = Thresholds()
     warnings = []
-    if isinstance(probed_with, str) and probed_with and probed_with != reference:
+    reads_with = getattr(engine, "tokenizer_spec", None) or reference  # a server reference names its tokenizer
+    if isinstance(probed_with, str) and probed_with and probed_with != reads_with:
         warnings.append(f"the probe read prompts and recovered token ids with the tokenizer of {probed_with!r}, "
-                        f"not {reference!r}: ids may not mean the same tokens")
+                        f"not {reads_with!r}: ids may not mean the same tokens")
     if engine is None:
         from workbench.engine.engine import Engine
 
@@ -103,7 +104,7 @@ def check_trace(path: str | Path, reference: str = "smollm2", *, tolerance: floa
         print(f"check: scoring {len(scored)} requests, {n} output tokens, in one batched prefill",
               file=sys.stderr, flush=True)
     ratios = ImportanceReport(importance) if importance is not None else None
-    results = _score(engine, todo, float(tolerance), floor, ratios)
+    results = score(engine, todo, float(tolerance), floor, ratios)
     name = getattr(getattr(engine, "loaded", None), "name", None) or reference
     report = CheckReport(path=path, reference=f"{reference} ({name})" if name != reference else reference,
                          tolerance=float(tolerance), requests=results, source=source, warnings=warnings,
@@ -145,8 +146,9 @@ def _greedy(params: dict[str, Any]) -> bool:
     return (isinstance(t, (int, float)) and t == 0) or params.get("top_k") == 1
 
 
-def _score(engine: Any, todo: list[Scored], tolerance: float, floor: Any = None,
-           ratios: ImportanceReport | None = None) -> list[RequestCheck]:
+def score(engine: Any, todo: list[Scored], tolerance: float, floor: Any = None,
+          ratios: ImportanceReport | None = None) -> list[RequestCheck]:
+    """Teacher-force each request (prompt + output, one batched prefill) and classify every position."""
     from workbench.engine.sample.sampling_params import SamplingParams
 
     vocab = engine.vocab_size

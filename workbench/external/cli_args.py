@@ -110,8 +110,12 @@ def add_check_args(p: argparse.ArgumentParser) -> None:
     from workbench.external.check import DEFAULT_TOLERANCE
 
     p.add_argument("trace", help="a .wbtrace file (from workbench probe, or this engine's own)")
-    p.add_argument("--reference", default="smollm2", metavar="MODEL",
-                   help="the reference model spec (default smollm2; tiny-random, a folder, a .gguf file)")
+    p.add_argument("--reference", default="smollm2", metavar="MODEL|URL",
+                   help="the reference model spec (default smollm2; tiny-random, a folder, a .gguf file), or "
+                        "the URL of a server that returns prompt logprobs (vLLM) to teacher-force through")
+    p.add_argument("--tokenizer", default=None, metavar="MODEL",
+                   help="with --reference URL: the tokenizer of the server's model (default: the one the "
+                        "trace was probed with, else smollm2)")
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                    help=f"nats: a greedy mismatch the reference prefers by less is a near tie; a sampled "
                         f"logprob off by more is a divergence (default {DEFAULT_TOLERANCE})")
@@ -133,7 +137,16 @@ def run_check(args: argparse.Namespace) -> int:
     if not os.path.exists(args.trace):
         raise ValueError(f"no such trace file: {args.trace!r}")
     engine = None
-    if args.device != "cpu":
+    if args.reference.startswith(("http://", "https://")):
+        from workbench.external.server_reference import ServerReference
+        from workbench.trace.reader import open_trace
+
+        tokenizer = args.tokenizer
+        if tokenizer is None:
+            with open_trace(args.trace) as trace:
+                tokenizer = (trace.meta.get("reference") or {}).get("tokenizer") or "smollm2"
+        engine = ServerReference(args.reference, tokenizer)
+    elif args.device != "cpu":
         from workbench.engine.engine import Engine
 
         engine = Engine(args.reference, device=args.device, trace=None, trace_level="off")

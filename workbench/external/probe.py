@@ -29,22 +29,19 @@ from typing import Any
 import httpx
 
 from workbench.external import identity as ident
-from workbench.external.records import (
-    ID_RECOVERED,
-    ID_SERVER,
-    ProbeRequest,
-    ProbeResult,
-    ProbeToken,
-    RequestRecord,
+from workbench.external.recording import (
+    added_event,
+    apply_chunk,
+    external_meta,
+    finished_event,
+    token_event,
 )
+from workbench.external.records import ProbeRequest, ProbeResult, RequestRecord
 from workbench.external.sse_stream import ChunkTokens, StreamError, build_body, stream_request
 from workbench.external.token_ids import TokenIds, load_reference_tokenizer, prompt_ids
-from workbench.trace.events import RequestAdded, RequestFinished, Stamp, TokenChosen
+from workbench.trace.events import Stamp
 
 API_KEY_ENV = "WORKBENCH_API_KEY"
-NOT_RECORDED = ("schedule", "forward_batch", "forward", "logits", "sampling", "kv", "spec.draft", "spec.verify",
-                "detok", "finish")
-SOURCES = {ID_SERVER: "external", ID_RECOVERED: "external_recovered"}
 FATAL_STATUS = {401: "check --api-key or $WORKBENCH_API_KEY", 403: "check --api-key or $WORKBENCH_API_KEY",
                 404: "check the URL and --model"}
 
@@ -171,9 +168,7 @@ class _ProbeRun:
         sampling = {k: v for k, v in body.items() if k not in ("model", "stream", "stream_options", "prompt", "messages")}
         params = {**sampling, "endpoint": "chat" if req.is_chat else "completions",
                   "greedy": is_greedy(sampling)}
-        self.writer.write(RequestAdded(step=self.step, req_id=req_id, t=time.perf_counter(),
-                                       prompt=req.messages if req.is_chat else req.prompt, prompt_ids=ids,
-                                       params=params))
+        self.writer.write(added_event(self.step, rec, params))
         return rec
 
     async def _send(self, client: httpx.AsyncClient, rec: RequestRecord) -> None:
@@ -243,46 +238,18 @@ class _ProbeRun:
         rec.server_request_id = resp.headers.get("x-request-id")
 
     def _chunk(self, rec: RequestRecord, chunk: ChunkTokens, now: float) -> None:
-        rec.chunks.append(now)
-        rec.text += chunk.text
-        if chunk.prompt_token_ids:
-            rec.server_prompt_ids = [int(t) for t in chunk.prompt_token_ids]
-        if chunk.usage:
-            rec.usage = dict(chunk.usage)
-        if chunk.finish_reason is not None:
-            rec.finish_reason = chunk.finish_reason
-            rec.stop_reason = chunk.stop_reason
-        if chunk.response_id and rec.server_request_id is None:
-            rec.server_request_id = chunk.response_id
-        if not chunk.tokens:
+        tokens = apply_chunk(rec, chunk, now, self.ids)
+        if not tokens:
             return
         self.step += 1
-        for reported in chunk.tokens:
-            if reported.token_id is not None:
-                tid, how = reported.token_id, ID_SERVER
-            else:
-                tid, how = self.ids.resolve(reported.text, reported.raw_bytes)
-            text = self.ids.text_of(tid) if reported.text.startswith("token_id:") else reported.text
-            top = []
-            for alt_text, alt_bytes, alt_lp in reported.top:
-                alt_id, _ = self.ids.resolve(alt_text, alt_bytes)
-                top.append([alt_id, alt_lp, self.ids.text_of(alt_id) if alt_text.startswith("token_id:") else alt_text])
-            token = ProbeToken(len(rec.tokens), tid, text, reported.logprob, top, how, now, len(rec.chunks) - 1)
-            rec.tokens.append(token)
-            self.writer.write(TokenChosen(step=self.step, req_id=rec.req_id, t=now, position=token.position,
-                                          token_id=tid, text=text, logprob=reported.logprob, rank=None,
-                                          top_logprobs=top, source=SOURCES.get(how, "external_unknown")))
+        for token in tokens:
+            self.writer.write(token_event(self.step, rec.req_id, token))
         self._show_progress()
 
     def _finish(self, rec: RequestRecord) -> None:
         if rec.error is None and rec.text and not rec.tokens:
             rec.error = "the server sent text but no logprobs (it ignored logprobs=true); nothing to compare"
-        evidence = {"stop_reason": rec.stop_reason, "server_request_id": rec.server_request_id,
-                    "server_prompt_ids": rec.server_prompt_ids, "status": rec.status, "headers": rec.headers}
-        self.writer.write(RequestFinished(
-            step=self.step, req_id=rec.req_id, t=rec.done or time.perf_counter(), text=rec.text,
-            output_ids=[t.token_id for t in rec.tokens], finish_reason=rec.finish_reason, matched_stop=rec.stop_reason,
-            evidence=evidence, usage=rec.usage, timings=rec.timings(), error=rec.error))
+        self.writer.write(finished_event(self.step, rec))
         self.writer.flush()  # a killed probe keeps every finished request
 
     # --- meta and progress -------------------------------------------------------------------
@@ -293,21 +260,7 @@ class _ProbeRun:
                 "defaults": self.defaults, "run_id": self.run_id, "otlp": self.otlp is not None}
 
     def _meta(self, identity: dict[str, Any], metrics_before: dict[str, Any]) -> dict[str, Any]:
-        tok = self.tokenizer
-        import platform
-
-        return {
-            "source": "external",
-            "external": self._external_meta(identity, metrics_before),
-            "model": {"name": self.model, "spec": None, "served_by": self.url},
-            "reference": {"tokenizer": getattr(tok, "workbench_spec", None) or getattr(tok, "name_or_path", "")},
-            "tokenizer": {"name": getattr(tok, "name_or_path", ""), "vocab_size": len(tok),
-                          "eos_token_id": tok.eos_token_id, "class": type(tok).__name__},
-            "not_recorded": list(NOT_RECORDED),
-            "versions": {"workbench": "0.1.0", "python": platform.python_version()},
-            "trace_level": "summary",
-            "created": time.time(),
-        }
+        return external_meta(self.tokenizer, self.model, self.url, self._external_meta(identity, metrics_before))
 
     def _show_progress(self, force: bool = False) -> None:
         now = time.perf_counter()

@@ -38,6 +38,26 @@ def store_rows(path: str | os.PathLike[str], table: str, meta_key: str, summary:
         conn.close()
 
 
+def upsert_rows(path: str | os.PathLike[str], table: str, meta_key: str, summary: dict[str, Any],
+                rows: list[dict[str, Any]]) -> None:
+    """Add `rows` to `table` (a row of the same `req_id` is replaced, the others kept) and set the
+    summary: for a result that grows while the trace is written (`workbench watch`)."""
+    path = os.fspath(path)
+    problem = file_problem(path)
+    if problem:
+        raise ValueError(f"{os.path.basename(path)}: {problem}")
+    conn = sqlite3.connect(path, isolation_level=None, timeout=10.0)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute(f"CREATE TABLE IF NOT EXISTS {table}(req_id TEXT PRIMARY KEY, payload TEXT NOT NULL)")
+        conn.executemany(f"INSERT OR REPLACE INTO {table}(req_id, payload) VALUES (?, ?)",
+                         [(str(r["req_id"]), json_dumps(r)) for r in rows])
+        conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (meta_key, json_dumps(summary)))
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
 def read_rows(source: Any, table: str, meta_key: str) -> tuple[dict[str, Any] | None, dict[str, dict[str, Any]]]:
     """(summary, `{req_id: row}`) of a stored result (`source`: a path or an open `Trace`); (None, {})
     if there is none. Rows that are not objects with a `positions` list are skipped."""

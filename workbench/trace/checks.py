@@ -18,12 +18,18 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from workbench.trace.annotations import read_rows, store_rows
+from workbench.trace.annotations import read_rows, store_rows, upsert_rows
 
 
 def store_checks(path: str | os.PathLike[str], summary: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     """Write a check's rows and summary into the trace at `path` (an earlier check is replaced)."""
     store_rows(path, "checks", "check", summary, rows)
+
+
+def add_checks(path: str | os.PathLike[str], summary: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Add rows to a trace's check (rows of other requests kept) and replace its summary: `watch`
+    checks a live trace's requests a batch at a time."""
+    upsert_rows(path, "checks", "check", summary, rows)
 
 
 def read_checks(source: Any) -> dict[str, dict[str, Any]]:
