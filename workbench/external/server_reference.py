@@ -1,8 +1,8 @@
 """A reference that is a server: teacher forcing through any OpenAI-compatible server with prompt logprobs.
 
 Owns `ServerReference`, which stands where `check` and `watch` use an `Engine` on the reference
-(`generate(inputs, params)` with prompt logprobs, `vocab_size`, `runner.max_context_len`,
-`outputs.token_text`, `loaded.name`): each input (prompt + output ids) is sent as a token-id
+(`generate(inputs, params)` with prompt logprobs, `vocab_size`, `max_context_len()`,
+`token_text(id)`, `loaded.name`: the part of EngineAPI a check asks): each input (prompt + output ids) is sent as a token-id
 prompt to `/v1/completions` with vLLM's `prompt_logprobs` (top 20) and `max_tokens: 1`, and its
 per-position rows come back in the engine's shape (`logprob` and `rank` of the token there, the
 top alternatives best first). So a model that does not fit this machine is checked against a
@@ -30,23 +30,8 @@ class _Output:
 
 
 @dataclass(slots=True)
-class _Runner:
-    max_context_len: int
-
-
-@dataclass(slots=True)
 class _Loaded:
     name: str
-
-
-class _Texts:
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer, self.cache = tokenizer, {}
-
-    def token_text(self, token_id: int) -> str:
-        if token_id not in self.cache:
-            self.cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return self.cache[token_id]
 
 
 class ServerReference:
@@ -73,9 +58,17 @@ class ServerReference:
             raise ValueError(f"reference server {self.url}: /v1/models did not list a model ({exc})") from None
         self.model = model or str(listed["id"])
         self.vocab_size = len(self.tokenizer)
-        self.runner = _Runner(int(listed.get("max_model_len") or 2048))
-        self.outputs = _Texts(self.tokenizer)
+        self._max_context_len = int(listed.get("max_model_len") or 2048)
+        self._texts: dict[int, str] = {}
         self.loaded = _Loaded(f"{self.model} at {self.url}")
+
+    def max_context_len(self) -> int:
+        return self._max_context_len
+
+    def token_text(self, token_id: int) -> str:
+        if token_id not in self._texts:
+            self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self._texts[token_id]
 
     def generate(self, inputs: list[list[int]], params: Any) -> list[_Output]:
         """Prompt logprobs of each input, in the engine's row shape (`params` is not read: always top 20)."""
@@ -102,9 +95,9 @@ class ServerReference:
             if mine is None:
                 raise ValueError(f"reference server {self.url}: no logprob for prompt token {token}")
             top = sorted((v["rank"], t, v["logprob"]) for t, v in entries.items() if v["rank"] <= REF_TOP)
-            out.append({"token_id": token, "token": self.outputs.token_text(token), "logprob": float(mine["logprob"]),
+            out.append({"token_id": token, "token": self.token_text(token), "logprob": float(mine["logprob"]),
                         "rank": int(mine["rank"]),
-                        "top_logprobs": [(t, self.outputs.token_text(t), float(lp)) for _, t, lp in top]})
+                        "top_logprobs": [(t, self.token_text(t), float(lp)) for _, t, lp in top]})
         return _Output(out)
 
     def close(self) -> None:

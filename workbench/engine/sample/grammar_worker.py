@@ -55,7 +55,7 @@ def grammar_key(kind: str, text: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
+class CompileOutcome:
     """What the worker said about one constraint."""
 
     ok: bool
@@ -168,7 +168,7 @@ class _Proc:
 class _Job:
     def __init__(self) -> None:
         self.done = threading.Event()
-        self.verdict: Verdict | None = None
+        self.verdict: CompileOutcome | None = None
         self.waiters = 1
         self.proc: _Proc | None = None
         self.cancelled = False
@@ -184,18 +184,18 @@ class GrammarWorkers:
         self._lock = threading.Lock()
         self._slots: list[_Proc | None] = [None] * limits.workers
         self._free = threading.Semaphore(limits.workers)
-        self._verdicts: OrderedDict[str, Verdict] = OrderedDict()
+        self._verdicts: OrderedDict[str, CompileOutcome] = OrderedDict()
         self._inflight: dict[str, _Job] = {}
         self._closed = False
 
-    def cached(self, key: str) -> Verdict | None:
+    def cached(self, key: str) -> CompileOutcome | None:
         with self._lock:
             verdict = self._verdicts.get(key)
             if verdict is not None:
                 self._verdicts.move_to_end(key)
             return verdict
 
-    def verdict(self, kind: str, text: str, key: str, param: str, extra: dict | None = None) -> Verdict:
+    def verdict(self, kind: str, text: str, key: str, param: str, extra: dict | None = None) -> CompileOutcome:
         """Compile `text` in a worker within the budget (blocking); the same key is compiled once.
         Kinds: json_schema, regex, ebnf (compile), schema (jsonschema's check only), wrapped (the EBNF
         of a JSON schema between two regexes, `extra` = {"head", "tail"}: in `result`, not cached)."""
@@ -216,7 +216,7 @@ class GrammarWorkers:
         try:
             verdict = self._run(job, kind, text, param, extra or {})
         except Exception as exc:  # no worker could start: nothing is known about the grammar
-            verdict = Verdict(False, f"{param}: the grammar worker failed ({exc})", cache=False)
+            verdict = CompileOutcome(False, f"{param}: the grammar worker failed ({exc})", cache=False)
         with self._lock:
             job.verdict = verdict
             self._inflight.pop(key, None)
@@ -241,7 +241,7 @@ class GrammarWorkers:
         if proc is not None:
             proc.proc.send_signal(signal.SIGKILL)
 
-    def _run(self, job: _Job, kind: str, text: str, param: str, extra: dict) -> Verdict:
+    def _run(self, job: _Job, kind: str, text: str, param: str, extra: dict) -> CompileOutcome:
         lim = self.limits
         self._free.acquire()
         try:
@@ -251,7 +251,7 @@ class GrammarWorkers:
                 cancelled = job.cancelled
             if cancelled:
                 self._give(slot, proc, recycle=False)
-                return Verdict(False, f"{param}: cancelled", cache=False)
+                return CompileOutcome(False, f"{param}: cancelled", cache=False)
             t0 = time.perf_counter()
             reply, peak = proc.run({**extra, "kind": kind, "text": text}, lim.compile_timeout)
             seconds = time.perf_counter() - t0
@@ -259,23 +259,23 @@ class GrammarWorkers:
                 self._give(slot, proc, recycle=_rss_mb(proc.proc.pid) - proc.base_mb > 64)
                 if reply.get("ok"):
                     result = reply.get("result")
-                    return Verdict(True, seconds=seconds, peak_mb=peak, result=result, cache=result is None)
+                    return CompileOutcome(True, seconds=seconds, peak_mb=peak, result=result, cache=result is None)
                 if reply.get("error") == "memory":
                     return self._memory(param, kind, seconds, peak)
-                return Verdict(False, f"{param} is invalid: {reply.get('error', 'unknown error')}", seconds, peak)
+                return CompileOutcome(False, f"{param} is invalid: {reply.get('error', 'unknown error')}", seconds, peak)
             self._give(slot, proc, recycle=True)  # killed, dead or over budget: a fresh one next time
             if job.cancelled:
-                return Verdict(False, f"{param}: cancelled", cache=False)
+                return CompileOutcome(False, f"{param}: cancelled", cache=False)
             if peak > lim.compile_memory_mb or proc.proc.returncode not in (None, -signal.SIGKILL):
                 return self._memory(param, kind, seconds, peak)
-            return Verdict(False, f"{param}: compiling this {_what(kind)} took longer than the limit of "
+            return CompileOutcome(False, f"{param}: compiling this {_what(kind)} took longer than the limit of "
                                   f"{lim.compile_timeout:g} s (workbench serve {FLAGS['compile_timeout']})",
                            seconds, peak)
         finally:
             self._free.release()
 
-    def _memory(self, param: str, kind: str, seconds: float, peak: float) -> Verdict:
-        return Verdict(False, f"{param}: compiling this {_what(kind)} needed more than the limit of "
+    def _memory(self, param: str, kind: str, seconds: float, peak: float) -> CompileOutcome:
+        return CompileOutcome(False, f"{param}: compiling this {_what(kind)} needed more than the limit of "
                               f"{self.limits.compile_memory_mb} MB of memory (workbench serve "
                               f"{FLAGS['compile_memory_mb']})", seconds, peak)
 
