@@ -9,18 +9,20 @@ way. Older readers ignore the tables, so the schema version is unchanged. Standa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
 import urllib.parse
+from collections.abc import Iterator
 from typing import Any
 
 from workbench.trace.format import file_problem, json_dumps
 
 
-def store_rows(path: str | os.PathLike[str], table: str, meta_key: str, summary: dict[str, Any],
-               rows: list[dict[str, Any]]) -> None:
-    """Write `rows` (each with a `req_id`) into `table` and `summary` under meta `meta_key`."""
+@contextlib.contextmanager
+def writing(path: str | os.PathLike[str]) -> Iterator[sqlite3.Connection]:
+    """One write transaction on an existing trace file (a damaged file is refused by name first)."""
     path = os.fspath(path)
     problem = file_problem(path)
     if problem:
@@ -28,34 +30,31 @@ def store_rows(path: str | os.PathLike[str], table: str, meta_key: str, summary:
     conn = sqlite3.connect(path, isolation_level=None, timeout=10.0)
     try:
         conn.execute("BEGIN IMMEDIATE")
-        conn.execute(f"CREATE TABLE IF NOT EXISTS {table}(req_id TEXT PRIMARY KEY, payload TEXT NOT NULL)")
-        conn.execute(f"DELETE FROM {table}")
-        conn.executemany(f"INSERT INTO {table}(req_id, payload) VALUES (?, ?)",
-                         [(str(r["req_id"]), json_dumps(r)) for r in rows])
-        conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (meta_key, json_dumps(summary)))
+        yield conn
         conn.execute("COMMIT")
     finally:
         conn.close()
+
+
+def store_rows(path: str | os.PathLike[str], table: str, meta_key: str, summary: dict[str, Any],
+               rows: list[dict[str, Any]], *, replace: bool = True) -> None:
+    """Write `rows` (each with a `req_id`) into `table` and `summary` under meta `meta_key`. With
+    `replace=False` the rows are added to what the table holds (a row of the same `req_id` replaced):
+    for a result that grows while the trace is written (`workbench watch`)."""
+    with writing(path) as conn:
+        conn.execute(f"CREATE TABLE IF NOT EXISTS {table}(req_id TEXT PRIMARY KEY, payload TEXT NOT NULL)")
+        if replace:
+            conn.execute(f"DELETE FROM {table}")
+        verb = "INSERT" if replace else "INSERT OR REPLACE"  # replace: a repeated req_id is an error, as ever
+        conn.executemany(f"{verb} INTO {table}(req_id, payload) VALUES (?, ?)",
+                         [(str(r["req_id"]), json_dumps(r)) for r in rows])
+        conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (meta_key, json_dumps(summary)))
 
 
 def upsert_rows(path: str | os.PathLike[str], table: str, meta_key: str, summary: dict[str, Any],
                 rows: list[dict[str, Any]]) -> None:
-    """Add `rows` to `table` (a row of the same `req_id` is replaced, the others kept) and set the
-    summary: for a result that grows while the trace is written (`workbench watch`)."""
-    path = os.fspath(path)
-    problem = file_problem(path)
-    if problem:
-        raise ValueError(f"{os.path.basename(path)}: {problem}")
-    conn = sqlite3.connect(path, isolation_level=None, timeout=10.0)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute(f"CREATE TABLE IF NOT EXISTS {table}(req_id TEXT PRIMARY KEY, payload TEXT NOT NULL)")
-        conn.executemany(f"INSERT OR REPLACE INTO {table}(req_id, payload) VALUES (?, ?)",
-                         [(str(r["req_id"]), json_dumps(r)) for r in rows])
-        conn.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (meta_key, json_dumps(summary)))
-        conn.execute("COMMIT")
-    finally:
-        conn.close()
+    """`store_rows` that keeps the rows already stored (a row of the same `req_id` is replaced)."""
+    store_rows(path, table, meta_key, summary, rows, replace=False)
 
 
 def read_rows(source: Any, table: str, meta_key: str) -> tuple[dict[str, Any] | None, dict[str, dict[str, Any]]]:

@@ -24,7 +24,8 @@ import sqlite3
 import urllib.parse
 from typing import Any
 
-from workbench.trace.format import file_problem, json_dumps
+from workbench.trace.annotations import writing
+from workbench.trace.format import json_dumps
 
 TABLE = "bisect"
 # the numerics bisect can run (workbench/engine/layer_walk.py), the reference first
@@ -37,18 +38,9 @@ BLOCK_LABEL = {"input_layernorm": "norm (before attention)", "self_attn": "atten
 
 def store_bisect(path: str | os.PathLike[str], row: dict[str, Any]) -> None:
     """Write one bisect row (with a `key`) into the trace at `path`, replacing a row of the same key."""
-    path = os.fspath(path)
-    problem = file_problem(path)
-    if problem:
-        raise ValueError(f"{os.path.basename(path)}: {problem}")
-    conn = sqlite3.connect(path, isolation_level=None, timeout=10.0)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
+    with writing(path) as conn:
         conn.execute(f"CREATE TABLE IF NOT EXISTS {TABLE}(key TEXT PRIMARY KEY, payload TEXT NOT NULL)")
         conn.execute(f"INSERT OR REPLACE INTO {TABLE}(key, payload) VALUES (?, ?)", (str(row["key"]), json_dumps(row)))
-        conn.execute("COMMIT")
-    finally:
-        conn.close()
 
 
 def read_bisects(source: Any) -> list[dict[str, Any]]:
