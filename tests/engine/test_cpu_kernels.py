@@ -22,13 +22,16 @@ NO_MKL = "PACKED GEMM NOT CHECKED: this torch has no MKL packed sgemm"
 
 
 def _count_calls(monkeypatch, method: str = "compute") -> list[int]:
-    """The row counts of every call to PackedLinear.`method` (compute: packed, split_compute: split)."""
+    """The row counts of every call to PackedLinear.`method` (compute: packed, split_compute: split,
+    rowdot_compute: the one-row kernel in its checked order; its check's tries of other orders are
+    not counted)."""
     calls: list[int] = []
     compute = getattr(gemm.PackedLinear, method)
 
-    def counted(self, x2):
-        calls.append(x2.shape[0])
-        return compute(self, x2)
+    def counted(self, x2, *order):
+        if not order:
+            calls.append(x2.shape[0])
+        return compute(self, x2, *order)
 
     monkeypatch.setattr(gemm.PackedLinear, method, counted)
     return calls
@@ -47,7 +50,7 @@ def _fixed_race(monkeypatch, ms: dict[str, float]) -> list[str]:
 
     def fake(kind, fn, x):
         timed.append(kind)
-        return ms[kind] / 1e3
+        return ms.get(kind, 9.0) / 1e3  # an entrant not named loses
 
     monkeypatch.setattr(gemm, "_time", fake)
     return timed
@@ -173,6 +176,71 @@ def test_a_split_gemm_that_differs_from_f_linear_is_refused_and_f_linear_runs(mo
         assert sorted(packed[shape]["ok"] + packed[shape]["refused"]) == [16, 32]
     assert any(v["key"]["in_features"] == 200 and v["key"]["rows"] == 3 and "split GEMM differs" in v["detail"]
                for v in report["replacements"]["linear.split"]["verdicts"])
+
+
+@pytest.mark.skipif(native.mkl() is None or native.load() is None, reason=NO_MKL + " or no C compiler")
+def test_the_one_row_kernel_gives_f_linears_bits_in_the_order_it_found(monkeypatch, torch_threads):
+    # Batch-1 decode: each layer's one row comes out as F.linear's bits; the C kernel ran for exactly
+    # the layers whose check found a summation order that reproduces MKL's on this CPU, in that order.
+    _fixed_race(monkeypatch, {gemm.ROWDOT: 1.0, gemm.SPLIT: 2.0, gemm.LINEAR: 3.0})
+    calls = _count_calls(monkeypatch, "rowdot_compute")
+    torch_threads(2)
+    checks = Book()
+    torch.manual_seed(3)
+    plain = torch.nn.Sequential(torch.nn.Linear(96, 200, bias=False), torch.nn.Linear(200, 576, bias=True),
+                                torch.nn.Linear(576, 1000, bias=False)).eval()
+    fast = torch.nn.Sequential(*[torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+                                 for m in plain]).eval()
+    fast.load_state_dict(plain.state_dict())
+    gemm.pack_linears(fast, book=checks)
+    verdicts = {k[1]: v for k, v in checks.tables["linear.rowdot"].items()}
+    assert sorted(verdicts) == [96, 200, 576] and all(k[3] == 1 for k in checks.tables["linear.rowdot"])
+    for v in verdicts.values():
+        assert not v.ok or tuple(v.facts["order"]) in gemm.ROWDOT_ORDERS
+    calls.clear()
+    x = torch.randn(1, 96) * 4
+    with torch.inference_mode():
+        assert torch.equal(fast(x), plain(x))
+        assert torch.equal(fast(x[None] * 3), plain(x[None] * 3))  # [1, 1, in] the same
+    assert len(calls) == 2 * sum(v.ok for v in verdicts.values())
+    assert [m.forward.route(1) == gemm.ROWDOT for m in fast] == [verdicts[m.in_features].ok for m in fast]
+
+
+@pytest.mark.skipif(native.mkl() is None or native.load() is None, reason=NO_MKL + " or no C compiler")
+def test_a_one_row_kernel_off_by_one_ulp_is_refused_and_f_linear_runs(monkeypatch, torch_threads):
+    compute = gemm.PackedLinear.rowdot_compute
+
+    def off_by_one_ulp(self, x2, order=None, out_rows=None):
+        y = compute(self, x2, order, out_rows)
+        if y is not None:
+            y[0, -1] = torch.nextafter(y[0, -1], torch.tensor(float("inf")))
+        return y
+
+    monkeypatch.setattr(gemm.PackedLinear, "rowdot_compute", off_by_one_ulp)
+    _fixed_race(monkeypatch, {gemm.ROWDOT: 1.0, gemm.SPLIT: 2.0, gemm.LINEAR: 3.0})
+    torch_threads(2)
+    checks = Book()
+    plain, fast = _linear_stack(8), _linear_stack(8)
+    gemm.pack_linears(fast, book=checks)
+    x = torch.randn(1, 96)
+    with torch.inference_mode():
+        assert torch.equal(fast(x), plain(x))
+    report = checks.report()["replacements"]["linear.rowdot"]["verdicts"]
+    assert len(report) == 2 and not any(v["ok"] for v in report)
+    assert all("F.linear is used" in v["detail"] for v in report)
+    assert all(m.forward.route(1) != gemm.ROWDOT for m in fast)
+
+
+def test_the_one_row_kernel_refuses_an_order_that_does_not_fit_the_layer():
+    lib = native.load()
+    if lib is None:
+        pytest.fail("the C kernels did not build: this machine's compiler is what the engine uses")
+    w, x, y = torch.randn(8, 10), torch.randn(10), torch.empty(8)
+    # 10 - 4 = 6 products is not a whole number of 4 lanes; 3 lanes is not a width the kernel has
+    for p, lanes in ((4, 4), (0, 3), (11, 4), (-1, 4)):
+        assert lib.wb_linear_rowdot(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), 8, 10, p, lanes, 0, 2) == -1
+    assert lib.wb_linear_rowdot(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), 8, 10, 2, 8, 0, 2) == 0
+    assert torch.allclose(y, w @ x, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(native.mkl() is None, reason=NO_MKL)

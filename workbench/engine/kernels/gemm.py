@@ -21,17 +21,25 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from workbench.engine.kernels import native
 from workbench.engine.kernels.book import BOOK, Book
 from workbench.engine.kernels.native import lock, mkl
 from workbench.engine.kernels.verdict import Verdict
 
-PACKED, SPLIT = "packed", "split"  # the two replacements of F.linear
+PACKED, SPLIT, ROWDOT = "packed", "split", "rowdot"  # the three replacements of F.linear
 LINEAR = "F.linear"  # the op they replace, which the race also enters
 # where each may run (PackedLinear.route): split at 1-64 rows, packed at 16-256
 PACKED_MIN_ROWS, PACKED_MAX_ROWS, SPLIT_MAX_ROWS = 16, 256, 64
 LOAD_TIME_ROWS = (1, 16, 32)  # decode batch sizes checked before the first request (the rest on first use)
 RACE_REPEATS = 3  # timed calls per entrant (after one untimed), the best one counts
-NAMES = {PACKED: "linear.packed", SPLIT: "linear.split"}
+NAMES = {PACKED: "linear.packed", SPLIT: "linear.split", ROWDOT: "linear.rowdot"}
+# The summation orders the one-row kernel can take (c/linear_rowdot.c), as (P, L, fma): the first P
+# products one by one, then L lanes folded by halves; products rounded before the sum unless fma.
+# Tried in this order until one gives F.linear's bits; the first is MKL's at one row on the AMD EPYCs
+# (found by probing its sums with +-2^40 pairs among ones: benchmarks/mkl_order.py).
+ROWDOT_ORDERS = ((4, 4, False),) + tuple((p, lanes, fma) for fma in (False, True) for lanes in (4, 8, 16)
+                                        for p in (0, 4, 8, 16) if (p, lanes, fma) != (4, 4, False))
+ROWDOT_SEARCH_ROWS = 64  # the order is searched on this many of the weight's rows, then checked on all
 
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
 
@@ -53,6 +61,8 @@ def linear_ok(book: Book, packed: PackedLinear, rows: int, kind: str = PACKED) -
 
 
 def _check_linear(packed: PackedLinear, rows: int, kind: str) -> Verdict:
+    if kind == ROWDOT:
+        return _check_rowdot(packed)
     module = packed.module
     x = _probe(rows, packed.in_features)
     with torch.inference_mode():
@@ -63,6 +73,32 @@ def _check_linear(packed: PackedLinear, rows: int, kind: str) -> Verdict:
     diff = float((got - want).abs().max())
     return Verdict(False, f"{kind} GEMM differs from F.linear by up to {diff:.3g}; F.linear is used",
                    {"max_abs_diff": diff})
+
+
+def _check_rowdot(packed: PackedLinear) -> Verdict:
+    """Find the summation order in which the one-row kernel gives F.linear's bits for this layer:
+    each of ROWDOT_ORDERS on the first rows of the weight, then the first that matched on all of it."""
+    module = packed.module
+    weight, bias = module.weight.detach(), module.bias
+    x = _probe(1, packed.in_features)
+    head = min(ROWDOT_SEARCH_ROWS, packed.out_features)
+    with torch.inference_mode():
+        want = F.linear(x, weight, bias)
+        for order in ROWDOT_ORDERS:
+            got = packed.rowdot_compute(x, order, head)
+            if got is None or not torch.equal(got, want[:, :head]):
+                continue
+            got = packed.rowdot_compute(x, order)
+            if torch.equal(got, want):
+                p, lanes, fma = order
+                return Verdict(True, f"one-row kernel bit-identical to F.linear in the order: {p} products "
+                               f"one by one, {lanes} lanes{', fused multiply-add' if fma else ''}",
+                               {"order": list(order), "max_abs_diff": 0.0})
+            diff = float((got - want).abs().max())
+            return Verdict(False, f"one-row kernel matched F.linear's first {head} rows but differs by up to "
+                           f"{diff:.3g} over all of them; F.linear is used", {"order": list(order), "max_abs_diff": diff})
+    return Verdict(False, f"none of the one-row kernel's {len(ROWDOT_ORDERS)} summation orders gives F.linear's "
+                   "bits on this CPU; F.linear is used", {"orders_tried": len(ROWDOT_ORDERS)})
 
 
 def fastest(book: Book, packed: PackedLinear, rows: int, kinds: tuple[str, ...]) -> str:
@@ -81,7 +117,7 @@ def fastest(book: Book, packed: PackedLinear, rows: int, kinds: tuple[str, ...])
 def _race(packed: PackedLinear, rows: int, entrants: tuple[str, ...]) -> Verdict:
     module = packed.module
     x = _probe(rows, packed.in_features)
-    run = {SPLIT: packed.split_compute, PACKED: packed.compute,
+    run = {SPLIT: packed.split_compute, PACKED: packed.compute, ROWDOT: packed.rowdot_compute,
            LINEAR: lambda x: F.linear(x, module.weight, module.bias)}
     best = dict.fromkeys(entrants, float("inf"))
     with torch.inference_mode():
@@ -122,6 +158,9 @@ class PackedLinear:
     `PACKED_MAX_ROWS` rows) or its split GEMM (1 to `SPLIT_MAX_ROWS` rows), each only at row counts
     where its check found it bit-identical to `F.linear` and the race found it fastest.
 
+    At one row a third kernel enters: the C dot product (`rowdot_compute`), in the summation order
+    its check found to give F.linear's bits for this layer on this CPU.
+
     The weight is packed when first needed, not at load: on the layer's second call in that row
     range (the first one, and every call before, computes `F.linear`, which the check found
     bit-identical), or when the check itself needs it: packing every layer of a model writes its
@@ -137,6 +176,7 @@ class PackedLinear:
         self.packed: torch.Tensor | None = None  # packed by `_pack` when first needed
         self.calls_in_range = 0
         self._split: tuple[int, int, torch.Tensor] | None = None  # (parts, weight pointer, weight view)
+        self.rowdot_order: tuple[int, int, bool] | None = None  # the checked order (linear_ok ROWDOT sets it)
         # (rows, threads) -> route(rows): the per-call memo of this layer's verdicts (the book holds them)
         self._routes: dict[tuple[int, int], str | None] = {}
 
@@ -187,6 +227,33 @@ class PackedLinear:
             torch.baddbmm(bias.detach().view(parts, 1, n // parts), x3, self._split[2])
         return y.transpose(0, 1).reshape(rows, n)  # [parts, rows, n/parts] -> [rows, n]
 
+    def rowdot_compute(self, x2: torch.Tensor, order: tuple[int, int, bool] | None = None,
+                       out_rows: int | None = None) -> torch.Tensor | None:
+        """`x2 [1, in] -> [1, out]` through the one-row C kernel in summation `order` (default: the
+        checked one), over the weight's first `out_rows` rows (default all), unchecked (`linear_ok`
+        checks it). None where the order does not fit this layer or the C kernels are unavailable."""
+        lib, module = native.load(), self._module()
+        order = order or self.rowdot_order
+        if lib is None or order is None:
+            return None
+        n = self.out_features if out_rows is None else out_rows
+        x2 = x2.contiguous()
+        weight, bias = module.weight.detach(), module.bias
+        y = torch.empty((1, n), dtype=torch.float32)
+        p, lanes, fma = order
+        rc = lib.wb_linear_rowdot(weight.data_ptr(), x2.data_ptr(), None if bias is None else bias.data_ptr(),
+                                  y.data_ptr(), n, self.in_features, p, lanes, int(fma), torch.get_num_threads())
+        return None if rc else y
+
+    def _rowdot_ok(self) -> bool:
+        if native.load() is None:
+            return False
+        verdict = self.book.decide(NAMES[ROWDOT], _key(self, 1), lambda: _check_rowdot(self),
+                                   valid=lambda v: not v.ok or tuple(v.facts.get("order", ())) in ROWDOT_ORDERS)
+        if verdict.ok:
+            self.rowdot_order = tuple(verdict.facts["order"])
+        return verdict.ok
+
     def route(self, rows: int) -> str | None:
         """Which kernel computes `rows` rows: SPLIT, PACKED or None (`F.linear`). The candidates
         are the split GEMM up to SPLIT_MAX_ROWS and the packed one in its range, each only where
@@ -196,6 +263,8 @@ class PackedLinear:
         kind = self._routes.get(key, ())
         if kind == ():
             kinds = []
+            if rows == 1 and self._rowdot_ok():
+                kinds.append(ROWDOT)
             if 1 <= rows <= SPLIT_MAX_ROWS and self.can_split() and linear_ok(self.book, self, rows, SPLIT):
                 kinds.append(SPLIT)
             if PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS and linear_ok(self.book, self, rows):
@@ -213,6 +282,8 @@ class PackedLinear:
                         or torch.is_grad_enabled()) else self.route(rows)
         if kind is None:
             return torch.nn.functional.linear(x, module.weight, module.bias)  # what nn.Linear.forward does
+        if kind == ROWDOT:
+            return self.rowdot_compute(x.reshape(1, self.in_features)).view(*x.shape[:-1], self.out_features)
         if kind == SPLIT:
             return self.split_compute(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
         if self.packed is None:

@@ -25,8 +25,15 @@ _ALL = [
                 "one GEMM per thread over a slice of the weight's output rows (torch.bmm, kernels/gemm.py)",
                 IDENTICAL, SHAPE_ROWS, MACHINE, GEMM, native=True,
                 note="1-64 rows (decode batches), two or more threads, output rows divisible by them"),
+    Replacement("linear.rowdot", "F.linear (nn.Linear's forward) at one row",
+                "a C dot product per output in the summation order that gives MKL's bits on this CPU "
+                "(kernels/c/linear_rowdot.c)",
+                IDENTICAL, SHAPE_ROWS, MACHINE, GEMM, native=True,
+                note="one row (batch-1 decode); the orders are tried in turn on the layer's first 64 rows, "
+                     "the first that matches is checked on all of them (the order found is in facts)"),
     Replacement("linear.route", "F.linear (nn.Linear's forward)",
-                "the fastest of F.linear and the kernels found identical to it (linear.packed, linear.split)",
+                "the fastest of F.linear and the kernels found identical to it (linear.packed, linear.split, "
+                "linear.rowdot)",
                 IDENTICAL, (*SHAPE_ROWS, "entrants"), MACHINE, GEMM, native=True,
                 note="every entrant is bit-identical, so the race can only change speed: timed on this "
                      "CPU, best of 3 calls each (ms in facts), the winner runs"),

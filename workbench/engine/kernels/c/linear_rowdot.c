@@ -1,0 +1,92 @@
+/* A linear layer at one input row, y[n] = dot(W[n, :], x) (+ bias[n]), in a given summation order:
+ * the first P products summed one by one into lane 0, then the rest in L lanes (product k into lane
+ * (k - P) % L, each lane in order of k), the lanes folded by halves ((a0 + a2) + (a1 + a3) for four),
+ * then the bias added; products and sums rounded separately, or fused (fma).
+ *
+ * Why: at one row MKL's sgemm computes each output as such a dot product, and on some CPUs (AMD
+ * EPYC) does so at a fraction of the memory bandwidth. With the order MKL uses on this CPU (found
+ * and checked bit for bit by kernels/gemm.py) this kernel gives F.linear's bits while streaming the
+ * weight at close to the copy rate: ROWS rows at a time (independent chains hide the add latency),
+ * each thread one contiguous run of rows.
+ *
+ * Built with -std=c11 -ffp-contract=off (native.py): a product and its sum are never fused unless
+ * the order says fma. */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+#include <immintrin.h>
+
+#define ROWS 8
+
+#define DEFINE_ROWDOT(L, V, FMA_EXPR)                                                              \
+typedef float V __attribute__((vector_size(4 * L)));                                               \
+static inline V load_##V(const float *p) { V v; memcpy(&v, p, sizeof v); return v; }              \
+static void rowdot_##L(const float *W, const float *x, const float *bias, float *y, int64_t n0,     \
+                       int64_t n1, int64_t K, int64_t P, int fma) {                                \
+    int64_t n = n0;                                                                                \
+    for (; n < n1; n += ROWS) {                                                                    \
+        const int64_t R = n1 - n < ROWS ? n1 - n : ROWS;                                           \
+        const float *w[ROWS];                                                                      \
+        V acc[ROWS];                                                                               \
+        for (int r = 0; r < ROWS; r++) {                                                           \
+            w[r] = W + (n + (r < R ? r : 0)) * K;                                                  \
+            float s = 0.0f;                                                                        \
+            for (int64_t k = 0; k < P; k++) s = fma ? fmaf(w[r][k], x[k], s) : s + w[r][k] * x[k]; \
+            acc[r] = (V){0}; acc[r][0] = s;                                                        \
+        }                                                                                          \
+        if (fma) {                                                                                 \
+            for (int64_t k = P; k < K; k += L) {                                                   \
+                const V xv = load_##V(x + k);                                                      \
+                for (int r = 0; r < ROWS; r++) { V wv = load_##V(w[r] + k); acc[r] = FMA_EXPR; }   \
+            }                                                                                      \
+        } else {                                                                                   \
+            for (int64_t k = P; k < K; k += L) {                                                   \
+                const V xv = load_##V(x + k);                                                      \
+                for (int r = 0; r < ROWS; r++) { V wv = load_##V(w[r] + k); acc[r] = acc[r] + wv * xv; } \
+            }                                                                                      \
+        }                                                                                          \
+        for (int r = 0; r < R; r++) {                                                              \
+            float a[L];                                                                            \
+            memcpy(a, &acc[r], sizeof a);                                                          \
+            for (int width = L / 2; width >= 1; width /= 2)                                        \
+                for (int l = 0; l < width; l++) a[l] = a[l] + a[l + width];                        \
+            y[n + r] = bias ? a[0] + bias[n + r] : a[0];                                           \
+        }                                                                                          \
+    }                                                                                              \
+}
+
+#if defined(__FMA__)
+#define FMA4 (V4)_mm_fmadd_ps((__m128)wv, (__m128)xv, (__m128)acc[r])
+#define FMA8 (V8)_mm256_fmadd_ps((__m256)wv, (__m256)xv, (__m256)acc[r])
+#else
+#define FMA4 ({ V4 o; for (int l = 0; l < 4; l++) o[l] = fmaf(wv[l], xv[l], acc[r][l]); o; })
+#define FMA8 ({ V8 o; for (int l = 0; l < 8; l++) o[l] = fmaf(wv[l], xv[l], acc[r][l]); o; })
+#endif
+#if defined(__AVX512F__)
+#define FMA16 (V16)_mm512_fmadd_ps((__m512)wv, (__m512)xv, (__m512)acc[r])
+#else
+#define FMA16 ({ V16 o; for (int l = 0; l < 16; l++) o[l] = fmaf(wv[l], xv[l], acc[r][l]); o; })
+#endif
+DEFINE_ROWDOT(4, V4, FMA4)
+DEFINE_ROWDOT(8, V8, FMA8)
+DEFINE_ROWDOT(16, V16, FMA16)
+
+/* Returns 0, or -1 when the order's parameters do not fit K (P in [0, K], K - P a whole number of
+ * lane groups, L one of 4, 8, 16). */
+int wb_linear_rowdot(const float *W, const float *x, const float *bias, float *y, int64_t N, int64_t K,
+                     int64_t P, int64_t L, int fma, int num_threads) {
+    if (P < 0 || P > K || (L != 4 && L != 8 && L != 16) || (K - P) % L != 0) return -1;
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t blocks = (N + ROWS - 1) / ROWS; /* a contiguous run of row blocks per thread */
+        const int64_t n0 = blocks * t / nt * ROWS, e = blocks * (t + 1) / nt * ROWS, n1 = e < N ? e : N;
+        if (n0 < n1) {
+            if (L == 4) rowdot_4(W, x, bias, y, n0, n1, K, P, fma);
+            else if (L == 8) rowdot_8(W, x, bias, y, n0, n1, K, P, fma);
+            else rowdot_16(W, x, bias, y, n0, n1, K, P, fma);
+        }
+    }
+    return 0;
+}
