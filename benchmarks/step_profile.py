@@ -6,7 +6,7 @@ fused MLP (its SiLU*up included) counts as "gemm". `--forward direct model` does
 mode's direct forward (run/exact_forward.py) against the model's own forward.
 
     python benchmarks/step_profile.py [--model smollm2] [--batches 1 8 32] [--steps 24] [--trace off]
-        [--threads N] [--clock wall|cpu] [--kernels exact [fast]] [--forward direct model]
+        [--threads N] [--clock wall|cpu] [--kernels exact [fast]] [--forward direct model] [--floor]
 
 Each batch size starts that many chat requests (greedy, ignore_eos), runs until every request is
 decoding, then times `--steps` decode steps with timers wrapped around the pipeline's functions.
@@ -135,6 +135,7 @@ def profile_batch(loaded, batch: int, steps: int, trace_level: str, new: int = 1
             t = clock()
             engine.step()
             walls.append(clock() - t)
+    kv_tokens = engine.memory.allocator.size - engine.memory.allocator.available_size()
     engine.close()
     del engine
     gc.collect()
@@ -146,7 +147,48 @@ def profile_batch(loaded, batch: int, steps: int, trace_level: str, new: int = 1
     mean = sum(walls) / len(walls) * 1000
     acc["python"] = mean - sum(acc.values())
     acc["step_median"], acc["step_mean"] = step, mean
+    acc["kv_tokens"] = kv_tokens
     return acc
+
+
+def floor_table(model, rows: dict[str, dict[str, float]]) -> list[str]:
+    """Each line of a step against what the hardware allows for it (benchmarks/limits.py, measured
+    now): the GEMMs can not beat the larger of the weights read at the copy bandwidth and their FLOP
+    at MKL's 256-row rate; attention can not beat reading the KV cache, the sampler one read of the
+    logits; the rest of the step does no arithmetic the model needs to be bounded by, so all of it
+    is gap."""
+    from benchmarks import limits as limits_mod
+
+    limits = limits_mod.measure(model)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_dim = cfg.num_key_value_heads * head_dim
+    kv_bytes_per_token = cfg.num_hidden_layers * 2 * kv_dim * 4
+    bw = limits.copy_gb_s * 1e9
+    out = [*limits.lines(), "", "| line | " + " | ".join(f"batch {b}: ms, floor, gap" for b in rows) + " |",
+           "|---|" + "---|" * len(rows)]
+
+    def floors(name: str, r: dict[str, float]) -> dict[str, float]:
+        batch = int(name.split()[0])
+        return {"gemm": 1e3 * max(limits.weight_bytes_per_token / bw,
+                                  batch * limits.flop_per_token / (limits.gemm_gflop_s * 1e9)),
+                "attention": 1e3 * r["kv_tokens"] * kv_bytes_per_token / bw,
+                "sampler": 1e3 * batch * cfg.vocab_size * 4 / bw}
+
+    lines = [("GEMMs", ["gemm"]), ("attention", ["attention"]), ("the model's other ops", ["model_other"]),
+             ("sampler", ["sampler"]), ("tracing", ["tracing"]),
+             ("batch building, output, scheduler, Python", ["batch_build", "sampling_info", "output", "schedule",
+                                                            "python"])]
+    for label, parts in [*lines, ("step", None)]:
+        cells = []
+        for name, r in rows.items():
+            f = floors(name, r)
+            ms = r["step_mean"] if parts is None else sum(r.get(p, 0.0) for p in parts)
+            fl = sum(f.values()) if parts is None else sum(f.get(p, 0.0) for p in parts)
+            share = f" ({fl / ms:.0%} of floor)" if parts is None and ms else ""
+            cells.append(f"{ms:.2f}, {fl:.2f}, **{ms - fl:.2f}**{share}")
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return out
 
 
 def main() -> None:
@@ -164,6 +206,8 @@ def main() -> None:
     ap.add_argument("--forward", nargs="+", default=["direct"], choices=["direct", "model"],
                     help="exact mode's forward: the direct one where its check passed, or the model's own; "
                     "both: alternated per batch size")
+    ap.add_argument("--floor", action="store_true",
+                    help="also measure this machine's limits and print every line of the step against its floor")
     args = ap.parse_args()
     import torch
 
@@ -190,6 +234,9 @@ def main() -> None:
     print("|---|" + "---:|" * len(rows))
     for c in cols:
         print(f"| {c} | " + " | ".join(f"{rows[b].get(c, 0.0):.2f}" for b in rows) + " |")
+    if args.floor:
+        print("\nAgainst the floor (ms per step: measured, the hardware's floor for it, the gap):\n")
+        print("\n".join(floor_table(loaded.model, rows)))
 
 
 if __name__ == "__main__":

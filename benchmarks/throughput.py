@@ -230,29 +230,31 @@ def main() -> None:
 
 def report(args, loaded, limits, rounds: dict) -> None:
     cpu = _cpu_model()
-    print(f"\n{args.model} {loaded.dtype} on {cpu}, {torch.get_num_threads()} threads, {args.repeat} rounds, "
+    print(f"\n{args.model} {loaded.dtype} on {cpu} ({_cpu_flags()}), {torch.get_num_threads()} threads, {args.repeat} rounds, "
           f"load average {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d')}")
     print("\n".join(limits.lines()))
-    out = {"args": vars(args), "cpu": cpu, "limits": {**{k: getattr(limits, k) for k in limits.__slots__},
+    out = {"args": vars(args), "cpu": cpu, "cpu_flags": _cpu_flags(), "limits": {**{k: getattr(limits, k) for k in limits.__slots__},
                                                       "floor_tok_s": limits.floor_tok_s,
                                                       "ceiling_tok_s": limits.ceiling_tok_s}, "scenarios": []}
     for (batch, eos), by_name in rounds.items():
         n = args.prompts if batch > 1 else args.prompts_b1
         print(f"\nbatch {batch}, {n} chat prompts, greedy, {'up to ' if eos else ''}{args.new} new tokens"
               f"{' (stop at EOS)' if eos else ' (ignore_eos)'}")
-        print(f"| run | best tok/s | {ENGINE} / this, same-round median (each round) |")
-        print("|---|---:|---:|")
+        limit, limit_name = (limits.floor_tok_s, "floor") if batch == 1 else (limits.ceiling_tok_s, "ceiling")
+        print(f"| run | best tok/s | of the {limit_name} | {ENGINE} / this, same-round median (each round) |")
+        print("|---|---:|---:|---:|")
         base = [r.get("tok_s") for r in by_name[ENGINE]]
         scen = {"batch": batch, "eos": eos, "runs": {}}
         for name, rs in by_name.items():
             ok = [r["tok_s"] for r in rs if "error" not in r]
             if not ok:
-                print(f"| {name} | FAILED: {rs[-1]['error'][:200]} | |")
+                print(f"| {name} | FAILED: {rs[-1]['error'][:200]} | | |")
                 scen["runs"][name] = {"error": rs[-1]["error"]}
                 continue
             ratios = [a / r["tok_s"] for a, r in zip(base, rs, strict=True) if "error" not in r and a]
             med = statistics.median(ratios) if ratios else float("nan")
-            print(f"| {name} | {max(ok):.1f} | {med:.2f}x ({', '.join(f'{x:.2f}' for x in ratios)}) |")
+            print(f"| {name} | {max(ok):.1f} | {max(ok) / limit:.0%} | {med:.2f}x "
+                  f"({', '.join(f'{x:.2f}' for x in ratios)}) |")
             scen["runs"][name] = {"tok_s": ok, "tokens": [r["tokens"] for r in rs if "error" not in r],
                                   "ratio_median": med}
         hf = by_name.get("transformers generate() static batch")
@@ -275,6 +277,17 @@ def report(args, loaded, limits, rounds: dict) -> None:
         out["scenarios"].append(scen)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+
+
+def _cpu_flags() -> str:
+    """The vector extensions that decide MKL's and the kernels' code paths on this CPU."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "flags unknown"
+    have = set(flags.split(":", 1)[1].split())
+    shown = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile") if f in have]
+    return " ".join(shown) or "no AVX2"
 
 
 def _cpu_model() -> str:
