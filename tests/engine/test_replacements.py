@@ -23,14 +23,15 @@ CACHED = re.compile(r"^cached from \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC$")
 ON_DISK = {name for name, r in REGISTRY.items() if r.on_disk != "none"}
 NATIVE = {name for name, r in REGISTRY.items() if r.native}
 
-# a batch (several decode rows), then one row; sampled with logprobs (the draw and the rank count)
+# a batch (several decode rows), then one row; sampled with logprobs (the draw and the rank count),
+# traced at summary (the recorded top-k)
 ENGINE = """
 import json, sys
 from workbench.engine.engine import Engine
 from workbench.engine.sample.sampling_params import SamplingParams
 from workbench.models import load_model
 
-with Engine(load_model(sys.argv[1], device="cpu"), trace_level="off") as engine:
+with Engine(load_model(sys.argv[1], device="cpu"), trace_level="summary") as engine:
     params = SamplingParams(temperature=0.8, max_new_tokens=4, logprobs=True, seed=3, ignore_eos=True)
     engine.generate(["a b c", "hello there", "one two three four"], params)
     engine.generate(["x"], params)

@@ -1,6 +1,7 @@
 """The sampler's native kernels (engine/kernels/sampling.py): the inverse-CDF draw picks exactly
 the tokens its float64-cumsum formula picks, the rank count gives exactly the compare-and-count's
-ranks, and a kernel that differs is refused and the formula runs."""
+ranks, the top-k gives torch.topk's values and ids in torch's tie order, and a kernel that differs
+is refused and the formula runs."""
 
 from __future__ import annotations
 
@@ -83,3 +84,43 @@ def test_token_ranks_by_the_native_count_equal_the_compare_and_count(vocab, monk
     monkeypatch.setattr(sample_kernels, "count_above", lambda lp, picked: None)
     want = logprobs._ranks(lp, picked)  # the torch path
     assert torch.equal(got, want) and torch.equal(got[:8], torch.ones(8, dtype=torch.int64))
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+@pytest.mark.parametrize("k", [1, 3, 10, 50])
+def test_the_native_top_k_gives_torch_topks_values_ids_and_tie_order(k, monkeypatch):
+    # The traced sampler's records: the same alternatives in the same order as torch.topk, ties
+    # included (torch's order among equal values is neither ascending nor descending id).
+    checks = Book()
+    monkeypatch.setattr(sample_kernels, "BOOK", checks)
+    gen = torch.Generator().manual_seed(k)
+    x = (torch.randn(12, 49152, generator=gen) * 2).round()  # long runs of equal values
+    x[6:] = torch.softmax(x[6:] * 3, dim=-1)
+    x[0, 17] = float("nan")
+    vals, ids = sample_kernels.topk(x, k)
+    want_v, want_i = x.topk(k, dim=-1)
+    assert torch.equal(ids, want_i)
+    assert torch.equal(vals.nan_to_num(7.0), want_v.nan_to_num(7.0))
+    assert checks.tables["sample.topk"][()].ok  # the kernel, not torch.topk, gave them
+    small = torch.randn(2, 100)  # k * 64 > vocabulary: torch's other algorithm, so torch.topk itself
+    assert torch.equal(sample_kernels.topk(small, 5)[1], small.topk(5, dim=-1)[1])
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+def test_a_top_k_kernel_with_another_tie_order_is_refused(monkeypatch):
+    checks = Book()
+    monkeypatch.setattr(sample_kernels, "BOOK", checks)
+    real = sample_kernels._unchecked_topk
+
+    def ascending_ids_among_ties(x, k):
+        vals, ids = real(x, k)
+        keys = vals.double() * 1e6 - ids.double() * 1e-9  # ties by ascending id: not torch's order
+        order = keys.argsort(dim=-1, descending=True)
+        return vals.gather(1, order), ids.gather(1, order)
+
+    monkeypatch.setattr(sample_kernels, "_unchecked_topk", ascending_ids_among_ties)
+    x = torch.randn(4, 49152).round()
+    vals, ids = sample_kernels.topk(x, 10)
+    assert torch.equal(ids, x.topk(10, dim=-1)[1])  # torch.topk ran: the kernel was refused
+    verdict = checks.tables["sample.topk"][()]
+    assert not verdict.ok and verdict.facts["mismatches"] > 0

@@ -57,6 +57,11 @@ _ALL = [
                 "wb_count_above (kernels/c/sample_draw.c)", IDENTICAL, (), MACHINE,
                 ("workbench.engine.kernels.sampling",), native=True, on_disk="none",
                 note="compared on 80 seeded probe rows; checked in every process"),
+    Replacement("sample.topk", "torch.topk of the traced sampler's distributions (values, ids, tie order)",
+                "wb_topk (kernels/c/topk.c): libstdc++'s partial_sort, which torch.topk runs, replayed on a "
+                "k-sized heap", IDENTICAL, (), MACHINE, ("workbench.engine.kernels.sampling",), native=True,
+                on_disk="none", note="k * 64 <= vocabulary only (torch's partial_sort path); compared on 40 "
+                "tie-heavy probe rows per k; checked in every process"),
     Replacement("forward.direct", "the model's own forward (module dispatch, transformers' decorators)",
                 "the direct forward: the same torch ops in the same order without the dispatch "
                 "(run/exact_forward.py)", IDENTICAL, ("model",), MODEL, ("workbench.engine.run.exact_forward",),

@@ -2,9 +2,10 @@
 
 Owns: `sample_draw` (the sampler's float64-cumsum inverse-CDF draw, registry.py's `sample.draw`) and
 `count_above` (logprobs' compare-and-count of a token's rank, `sample.rank_count`), both in
-c/sample_draw.c; their formulas (`draw_formula`, `count_formula`); and their check: the kernel and
-the formula on seeded probe rows (ties, -inf tails, a NaN row, the top end of `u`), the kernel used
-only where every row agrees. Does not own: the sampling itself (engine/sample/).
+c/sample_draw.c; `topk` (the traced sampler's top-k with torch.topk's tie order, `sample.topk`,
+c/topk.c); their formulas (`draw_formula`, `count_formula`, torch.topk); and their check: the kernel
+and the formula on seeded probe rows (ties, -inf tails, a NaN row, the top end of `u`), the kernel
+used only where every row agrees. Does not own: the sampling itself (engine/sample/).
 """
 
 from __future__ import annotations
@@ -61,6 +62,56 @@ def check(kernel: Kernel, formula: Kernel,
     if mismatches == 0:
         return Verdict(True, f"kernel: the same result as the torch formula on all {rows} probe rows", facts)
     return Verdict(False, f"torch: the kernel differed from the formula on {mismatches} of {rows} probe rows", facts)
+
+
+TOPK_KS = (1, 2, 5, 10, 20, 64)  # the k values the top-k check covers (the kernel's algorithm is one for all k)
+
+
+def _check_topk() -> Verdict:
+    """The native top-k against torch.topk, values and ids in order, on tie-heavy probe rows: values
+    rounded to a coarse grid (runs of equal values), softmax rows (ties among tiny probabilities),
+    NaNs, -inf rows and all-zero rows."""
+    gen = torch.Generator().manual_seed(13)
+    rows = mismatches = 0
+    for vocab, grid in ((49152, 1.0), (49152, 0.0), (32000, 0.25), (151936, 0.01), (4096, 2.0)):
+        x = torch.randn(8, vocab, generator=gen) * 3
+        if grid:
+            x = (x / grid).round() * grid
+        x[4:] = torch.softmax(x[4:] * 2, dim=-1)
+        x[0, 5], x[1, 100:110], x[2], x[3] = float("nan"), float("nan"), 0.0, float("-inf")
+        x[3, 7] = 1.0
+        for k in TOPK_KS:
+            if k * 64 > vocab:
+                continue
+            want_v, want_i = x.topk(k, dim=-1)
+            got_v, got_i = _unchecked_topk(x, k)
+            same = (got_i == want_i) & ((got_v == want_v) | (got_v.isnan() & want_v.isnan()))
+            rows += x.shape[0]
+            mismatches += int((~same.all(dim=-1)).sum())
+    facts = {"rows": rows, "mismatches": mismatches, "k": list(TOPK_KS)}
+    if mismatches == 0:
+        return Verdict(True, f"kernel: torch.topk's values and ids, in its order, on all {rows} probe rows", facts)
+    return Verdict(False, f"torch: the kernel differed from torch.topk on {mismatches} of {rows} probe rows", facts)
+
+
+def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x.topk(k, dim=-1)` for `x [R, V]` (values and ids, largest first, torch's tie order): by the
+    native kernel where it applies (built, CPU float32 rows, k * 64 <= V, found identical on this
+    CPU), else torch.topk itself."""
+    if (_rows_ok(x) and load() is not None and BOOK.decide("sample.topk", (), _check_topk).ok
+            and 1 <= k <= 256 and k * 64 <= x.shape[1]):
+        return _unchecked_topk(x, k)
+    return x.topk(k, dim=-1)
+
+
+def _unchecked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    vals = torch.empty(x.shape[0], k, dtype=torch.float32)
+    ids = torch.empty(x.shape[0], k, dtype=torch.int64)
+    rc = load().wb_topk(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), k, vals.data_ptr(), ids.data_ptr(),
+                        torch.get_num_threads())
+    if rc:
+        raise ValueError(f"k must be in [1, 256] with k * 64 <= {x.shape[1]}, got {k}")
+    return vals, ids
 
 
 def _rows_ok(x: torch.Tensor) -> bool:

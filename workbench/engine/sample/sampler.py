@@ -249,7 +249,7 @@ class StageRecorder:
         fresh tensors, so the same values, without two vocabulary-sized allocations per step."""
         lp = self._lp
         probs = torch.exp(lp, out=scratch) if scratch is not None else lp.exp()
-        vals, ids = probs.topk(self.k, dim=-1)
+        vals, ids = sampling.topk(probs, self.k)
         # log-softmax of the raw (finite) logits: no 0 * -inf to guard
         entropy = (-(probs.mul_(lp).sum(-1))).tolist()
         rows, vocab = lp.shape
@@ -267,7 +267,7 @@ class StageRecorder:
 
     def _add(self, name: str, probs: torch.Tensor, prev: torch.Tensor, applied: list[bool],
              kept: torch.Tensor) -> None:
-        vals, ids = probs.topk(self.k, dim=-1)
+        vals, ids = sampling.topk(probs, self.k)
         counts = kept.sum(-1).tolist()
         kept_mass = (prev * kept).sum(-1).tolist()
         entropy = (-torch.special.xlogy(probs, probs).sum(-1)).tolist()  # 0 log 0 = 0
