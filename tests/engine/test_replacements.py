@@ -182,3 +182,22 @@ def test_the_switch_reads_its_words_and_the_old_variables_only_as_aliases(monkey
     monkeypatch.setenv(switch.VARIABLE, "exact,fast")
     with pytest.raises(ValueError, match=r"WORKBENCH_REPLACEMENTS='exact,fast': expected .*on, exact, torch, fresh"):
         switch.words()
+
+
+def test_one_replacement_switched_off_by_name_is_refused_and_its_check_never_runs(monkeypatch):
+    from workbench.engine.kernels import Book, switch
+    from workbench.engine.kernels.verdict import Verdict
+
+    monkeypatch.setenv(switch.VARIABLE, "fresh,-sample.topk")
+    book, ran = Book(), []
+
+    def check() -> Verdict:
+        ran.append(1)
+        return Verdict(True, "identical", {})
+
+    assert not book.decide("sample.topk", (), check).ok and not ran  # off: what it replaces runs
+    assert book.decide("sample.draw", (), check).ok and ran == [1]  # the others as before
+    assert "switched off" in book.report()["replacements"]["sample.topk"]["verdicts"][0]["detail"]
+    monkeypatch.setenv(switch.VARIABLE, "-sample.topkk")
+    with pytest.raises(ValueError, match=r"-NAME for one of .*sample\.topk.*got -sample\.topkk"):
+        switch.words()

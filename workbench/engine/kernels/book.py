@@ -64,6 +64,21 @@ class Book:
         if verdict is not None:
             return verdict
         rep = REGISTRY[name]
+        if switch.refused(name):  # kept like any verdict (the report shows it), never on disk
+            verdict = Verdict(False, f"switched off ({switch.VARIABLE} has -{name})", {})
+        else:
+            verdict = self._decide(name, rep, key, check, about, env, valid)
+        with self.lock:
+            if rep.lives == PROCESS:
+                self.tables[name][key] = verdict
+            elif about is not None:  # per object: read back; per load: for the report only
+                self.objects.setdefault(about, {})[(name, key)] = verdict
+        return verdict
+
+    def _decide(self, name: str, rep: Replacement, key: tuple, check: Callable[[], Verdict], about: Any,
+                env: Callable[[], dict[str, str]] | None, valid: Callable[[Verdict], bool] | None) -> Verdict:
+        """The verdict not yet kept in this process: a per-object one, the store's, or `check()` now."""
+        verdict = None
         if rep.lives == PER_OBJECT and about is not None:
             verdict = self.objects.get(about, _NONE).get((name, key))
             if verdict is not None:
@@ -78,11 +93,6 @@ class Book:
             verdict = check()
             if store is not None and (verdict.ok or rep.on_disk == "all"):
                 store.put(name, environ, label(rep, key), verdict)
-        with self.lock:
-            if rep.lives == PROCESS:
-                self.tables[name][key] = verdict
-            elif about is not None:  # per object: read back; per load: for the report only
-                self.objects.setdefault(about, {})[(name, key)] = verdict
         return verdict
 
     def verdicts(self, name: str, about: Any = None) -> list[tuple[tuple, Verdict]]:

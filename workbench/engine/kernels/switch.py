@@ -9,6 +9,8 @@ its values, comma-separated words in any order:
 - `torch`: no native kernel is loaded (the C kernels and MKL's packed and split GEMMs): torch's
   ops run. The direct forward and the attention probe are torch code and still run.
 - `fresh`: nothing is read from or written to the verdict store: every check runs in this process.
+- `-NAME` (a registered replacement's name, e.g. `-linear.rowdot`): that one replacement is refused
+  (what it replaces runs), the others as the other words say: for measuring one against its absence.
 
 The old variables still work, read only where `WORKBENCH_REPLACEMENTS` is unset:
 `WORKBENCH_CPU_KERNELS=0` means `torch`, `=exact` means `exact`; `WORKBENCH_FASTPATH_CACHE=0` and
@@ -31,9 +33,18 @@ def words() -> frozenset[str]:
     if raw is None:
         return frozenset(w for name, table in ALIASES.items() if (w := table.get(os.environ.get(name, ""))))
     found = frozenset(w.strip() for w in raw.split(",") if w.strip())
-    if not found <= set(VALUES):
-        raise ValueError(f"{VARIABLE}={raw!r}: expected comma-separated words of {', '.join(VALUES)}")
+    from workbench.engine.kernels.registry import REGISTRY
+
+    unknown = {w for w in found if w not in VALUES and not (w.startswith("-") and w[1:] in REGISTRY)}
+    if unknown:
+        raise ValueError(f"{VARIABLE}={raw!r}: expected comma-separated words of {', '.join(VALUES)}, or -NAME "
+                         f"for one of {', '.join(REGISTRY)}; got {', '.join(sorted(unknown))}")
     return found - {"on"}
+
+
+def refused(name: str) -> bool:
+    """Is replacement `name` switched off by a `-name` word?"""
+    return f"-{name}" in words()
 
 
 def exact() -> bool:
