@@ -192,6 +192,10 @@ def test_the_one_row_kernel_gives_f_linears_bits_in_the_order_it_found(monkeypat
     fast = torch.nn.Sequential(*[torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
                                  for m in plain]).eval()
     fast.load_state_dict(plain.state_dict())
+    with torch.no_grad():  # weights 40 bytes past a 64-byte boundary, as a GGUF-loaded model's are
+        for m in (*plain, *fast):
+            store = torch.empty(m.weight.numel() + 16)
+            m.weight = torch.nn.Parameter(store[10:10 + m.weight.numel()].view_as(m.weight).copy_(m.weight))
     gemm.pack_linears(fast, book=checks)
     verdicts = {k[1]: v for k, v in checks.tables["linear.rowdot"].items()}
     assert sorted(verdicts) == [96, 200, 576] and all(k[3] == 1 for k in checks.tables["linear.rowdot"])
@@ -231,16 +235,18 @@ def test_a_one_row_kernel_off_by_one_ulp_is_refused_and_f_linear_runs(monkeypatc
     assert all(m.forward.route(1) != gemm.ROWDOT for m in fast)
 
 
-def test_the_one_row_kernel_refuses_an_order_that_does_not_fit_the_layer():
+def test_the_one_row_kernel_sums_every_product_in_any_order_it_takes():
     lib = native.load()
     if lib is None:
         pytest.fail("the C kernels did not build: this machine's compiler is what the engine uses")
-    w, x, y = torch.randn(8, 10), torch.randn(10), torch.empty(8)
-    # 10 - 4 = 6 products is not a whole number of 4 lanes; 3 lanes is not a width the kernel has
-    for p, lanes in ((4, 4), (0, 3), (11, 4), (-1, 4)):
-        assert lib.wb_linear_rowdot(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), 8, 10, p, lanes, 0, 2) == -1
-    assert lib.wb_linear_rowdot(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), 8, 10, 2, 8, 0, 2) == 0
-    assert torch.allclose(y, w @ x, rtol=1e-5, atol=1e-5)
+    base, x, y = torch.randn(8 * 10 + 3), torch.randn(10), torch.empty(8)
+    for off in (0, 1, 3):  # rows at every 16-byte alignment (10 floats a row: it changes row to row)
+        w = base[off:off + 80].view(8, 10)
+        for p, lanes in ((4, 4), (0, 8), (11, 4), (-1, 4), (-1, 16), (2, 16)):
+            assert lib.wb_linear_rowdot(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), 8, 10, p, lanes, 0, 2) == 0
+            assert torch.allclose(y, w @ x, rtol=1e-5, atol=1e-5), (off, p, lanes)
+    for p, lanes in ((0, 3), (-2, 4)):  # 3 lanes is not a width the kernel has; -1 is the only negative
+        assert lib.wb_linear_rowdot(base.data_ptr(), x.data_ptr(), None, y.data_ptr(), 8, 10, p, lanes, 0, 2) == -1
 
 
 @pytest.mark.skipif(native.mkl() is None, reason=NO_MKL)

@@ -34,11 +34,12 @@ LOAD_TIME_ROWS = (1, 16, 32)  # decode batch sizes checked before the first requ
 RACE_REPEATS = 3  # timed calls per entrant (after one untimed), the best one counts
 NAMES = {PACKED: "linear.packed", SPLIT: "linear.split", ROWDOT: "linear.rowdot"}
 # The summation orders the one-row kernel can take (c/linear_rowdot.c), as (P, L, fma): the first P
-# products one by one, then L lanes folded by halves; products rounded before the sum unless fma.
-# Tried in this order until one gives F.linear's bits; the first is MKL's at one row on the AMD EPYCs
-# (found by probing its sums with +-2^40 pairs among ones: benchmarks/mkl_order.py).
-ROWDOT_ORDERS = ((4, 4, False),) + tuple((p, lanes, fma) for fma in (False, True) for lanes in (4, 8, 16)
-                                        for p in (0, 4, 8, 16) if (p, lanes, fma) != (4, 4, False))
+# products one by one (P = -1: up to the weight row's next 16-byte boundary, 4 on an aligned row),
+# then L lanes folded by halves, the leftover products one by one; products rounded before the sum
+# unless fma. Tried in this order until one gives F.linear's bits; the first is MKL's at one row on
+# the AMD EPYCs (found by probing its sums with +-2^40 pairs among ones: benchmarks/mkl_order.py).
+ROWDOT_ORDERS = ((-1, 4, False),) + tuple((p, lanes, fma) for fma in (False, True) for lanes in (4, 8, 16)
+                                         for p in (-1, 0, 4, 8, 16) if (p, lanes, fma) != (-1, 4, False))
 ROWDOT_SEARCH_ROWS = 64  # the order is searched on this many of the weight's rows, then checked on all
 
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
@@ -91,8 +92,9 @@ def _check_rowdot(packed: PackedLinear) -> Verdict:
             got = packed.rowdot_compute(x, order)
             if torch.equal(got, want):
                 p, lanes, fma = order
-                return Verdict(True, f"one-row kernel bit-identical to F.linear in the order: {p} products "
-                               f"one by one, {lanes} lanes{', fused multiply-add' if fma else ''}",
+                first = "the products up to each row's 16-byte boundary" if p < 0 else f"{p} products"
+                return Verdict(True, f"one-row kernel bit-identical to F.linear in the order: {first} one by "
+                               f"one, {lanes} lanes{', fused multiply-add' if fma else ''}",
                                {"order": list(order), "max_abs_diff": 0.0})
             diff = float((got - want).abs().max())
             return Verdict(False, f"one-row kernel matched F.linear's first {head} rows but differs by up to "
@@ -231,7 +233,7 @@ class PackedLinear:
                        out_rows: int | None = None) -> torch.Tensor | None:
         """`x2 [1, in] -> [1, out]` through the one-row C kernel in summation `order` (default: the
         checked one), over the weight's first `out_rows` rows (default all), unchecked (`linear_ok`
-        checks it). None where the order does not fit this layer or the C kernels are unavailable."""
+        checks it). None where the C kernels are unavailable."""
         lib, module = native.load(), self._module()
         order = order or self.rowdot_order
         if lib is None or order is None:

@@ -1,7 +1,9 @@
 /* A linear layer at one input row, y[n] = dot(W[n, :], x) (+ bias[n]), in a given summation order:
- * the first P products summed one by one into lane 0, then the rest in L lanes (product k into lane
- * (k - P) % L, each lane in order of k), the lanes folded by halves ((a0 + a2) + (a1 + a3) for four),
- * then the bias added; products and sums rounded separately, or fused (fma).
+ * the first P products summed one by one into lane 0, then whole groups of L in L lanes (product k
+ * into lane (k - P) % L, each lane in order of k), the lanes folded by halves ((a0 + a2) + (a1 + a3)
+ * for four), the products left over added one by one, then the bias; products and sums rounded
+ * separately, or fused (fma). P < 0 means "up to the next 16-byte boundary of the weight row": 4 -
+ * (address mod 16) / 4 products (4 where the row is aligned), as MKL peels them, row by row.
  *
  * Why: at one row MKL's sgemm computes each output as such a dot product, and on some CPUs (AMD
  * EPYC) does so at a fraction of the memory bandwidth. With the order MKL uses on this CPU (found
@@ -19,29 +21,57 @@
 
 #define ROWS 8
 
+/* products before the row's next 16-byte boundary, as MKL peels them: 4 on an aligned row */
+static inline int64_t row_peel(const float *w) { return 4 - (int64_t)(((uintptr_t)w % 16) / 4); }
+
 #define DEFINE_ROWDOT(L, V, FMA_EXPR)                                                              \
 typedef float V __attribute__((vector_size(4 * L)));                                               \
 static inline V load_##V(const float *p) { V v; memcpy(&v, p, sizeof v); return v; }              \
+static void rowdot_one_##L(const float *w, const float *x, const float *bias, float *y, int64_t K,  \
+                           int64_t p, int fma) {                                                   \
+    float a[L] = {0}, s = 0.0f;                                                                    \
+    if (p > K) p = K;                                                                              \
+    const int64_t body = p + (K - p) / L * L;                                                      \
+    for (int64_t k = 0; k < p; k++) s = fma ? fmaf(w[k], x[k], s) : s + w[k] * x[k];               \
+    a[0] = s;                                                                                      \
+    for (int64_t k = p; k < body; k += L)                                                          \
+        for (int l = 0; l < L; l++) a[l] = fma ? fmaf(w[k + l], x[k + l], a[l]) : a[l] + w[k + l] * x[k + l]; \
+    for (int width = L / 2; width >= 1; width /= 2)                                                \
+        for (int l = 0; l < width; l++) a[l] = a[l] + a[l + width];                                \
+    s = a[0];                                                                                      \
+    for (int64_t k = body; k < K; k++) s = fma ? fmaf(w[k], x[k], s) : s + w[k] * x[k];            \
+    *y = bias ? s + *bias : s;                                                                     \
+}                                                                                                  \
 static void rowdot_##L(const float *W, const float *x, const float *bias, float *y, int64_t n0,     \
                        int64_t n1, int64_t K, int64_t P, int fma) {                                \
-    int64_t n = n0;                                                                                \
-    for (; n < n1; n += ROWS) {                                                                    \
+    for (int64_t n = n0; n < n1; n += ROWS) {                                                      \
         const int64_t R = n1 - n < ROWS ? n1 - n : ROWS;                                           \
         const float *w[ROWS];                                                                      \
+        int64_t p = P;                                                                             \
         V acc[ROWS];                                                                               \
+        if (P < 0) { /* the rows of a block share their peel, or the block goes one row at a time */ \
+            p = row_peel(W + n * K);                                                               \
+            for (int r = 1; r < R; r++)                                                            \
+                if (row_peel(W + (n + r) * K) != p) {                                              \
+                    for (int64_t m = n; m < n + R; m++) rowdot_one_##L(W + m * K, x, bias ? bias + m : NULL, y + m, K, row_peel(W + m * K), fma); \
+                    goto next;                                                                     \
+                }                                                                                  \
+        }                                                                                          \
+        if (p > K) p = K;                                                                          \
+        const int64_t body = p + (K - p) / L * L;                                                  \
         for (int r = 0; r < ROWS; r++) {                                                           \
             w[r] = W + (n + (r < R ? r : 0)) * K;                                                  \
             float s = 0.0f;                                                                        \
-            for (int64_t k = 0; k < P; k++) s = fma ? fmaf(w[r][k], x[k], s) : s + w[r][k] * x[k]; \
+            for (int64_t k = 0; k < p; k++) s = fma ? fmaf(w[r][k], x[k], s) : s + w[r][k] * x[k]; \
             acc[r] = (V){0}; acc[r][0] = s;                                                        \
         }                                                                                          \
         if (fma) {                                                                                 \
-            for (int64_t k = P; k < K; k += L) {                                                   \
+            for (int64_t k = p; k < body; k += L) {                                                \
                 const V xv = load_##V(x + k);                                                      \
                 for (int r = 0; r < ROWS; r++) { V wv = load_##V(w[r] + k); acc[r] = FMA_EXPR; }   \
             }                                                                                      \
         } else {                                                                                   \
-            for (int64_t k = P; k < K; k += L) {                                                   \
+            for (int64_t k = p; k < body; k += L) {                                                \
                 const V xv = load_##V(x + k);                                                      \
                 for (int r = 0; r < ROWS; r++) { V wv = load_##V(w[r] + k); acc[r] = acc[r] + wv * xv; } \
             }                                                                                      \
@@ -51,8 +81,11 @@ static void rowdot_##L(const float *W, const float *x, const float *bias, float 
             memcpy(a, &acc[r], sizeof a);                                                          \
             for (int width = L / 2; width >= 1; width /= 2)                                        \
                 for (int l = 0; l < width; l++) a[l] = a[l] + a[l + width];                        \
-            y[n + r] = bias ? a[0] + bias[n + r] : a[0];                                           \
+            float s = a[0];                                                                        \
+            for (int64_t k = body; k < K; k++) s = fma ? fmaf(w[r][k], x[k], s) : s + w[r][k] * x[k]; \
+            y[n + r] = bias ? s + bias[n + r] : s;                                                 \
         }                                                                                          \
+    next:;                                                                                         \
     }                                                                                              \
 }
 
@@ -72,11 +105,10 @@ DEFINE_ROWDOT(4, V4, FMA4)
 DEFINE_ROWDOT(8, V8, FMA8)
 DEFINE_ROWDOT(16, V16, FMA16)
 
-/* Returns 0, or -1 when the order's parameters do not fit K (P in [0, K], K - P a whole number of
- * lane groups, L one of 4, 8, 16). */
+/* Returns 0, or -1 when the lanes are not 4, 8 or 16 or P is below -1. */
 int wb_linear_rowdot(const float *W, const float *x, const float *bias, float *y, int64_t N, int64_t K,
                      int64_t P, int64_t L, int fma, int num_threads) {
-    if (P < 0 || P > K || (L != 4 && L != 8 && L != 16) || (K - P) % L != 0) return -1;
+    if (P < -1 || (L != 4 && L != 8 && L != 16)) return -1;
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
