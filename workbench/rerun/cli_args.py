@@ -103,6 +103,10 @@ def add_invariance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request", action="append", default=[], metavar="REQ",
                    help="only this request (repeatable); also prints its per-position table")
     p.add_argument("--tolerance", type=float, default=1e-3, help="top-2 margin below which a flip is a near tie")
+    p.add_argument("--context", action="append", default=[], metavar="CONTEXT",
+                   help="another context to compare the recorded batch with, besides alone (repeatable): chunked:N "
+                        "(chunked prefill of N tokens), prefix-cache (the prompt a prefix-cache hit), speculative "
+                        "(n-gram speculative decoding toggled); each a column of the flip-risk map")
     p.add_argument("--device", default=None)
     p.add_argument("--no-store", action="store_true",
                    help="do not store the result in the trace (by default the TUI shows it for each request)")
@@ -112,7 +116,7 @@ def run_invariance(args: argparse.Namespace) -> int:
     from workbench.rerun.invariance import invariance
 
     report = invariance(args.trace, device=args.device, tolerance=args.tolerance, progress=sys.stderr.isatty(),
-                        req_ids=args.request or None)
+                        req_ids=args.request or None, contexts=args.context)
     print(report.describe())
     print("\n" + report.risk_table())
     for rid in args.request or []:
