@@ -79,6 +79,12 @@ def test_bisect_auto_names_chunked_prefill_and_bisects_it_layer_by_layer(recorde
     assert row["kind"] == "context" and len(row["layers"]) == 2
     assert row["embed_error"] == 0.0 and row["layers"][-1]["total"] > 0  # same embeddings; the layers differ
     assert all(x["propagated"] is None for x in row["layers"])
+    from workbench.notebook.bisect import bisect_figure
+
+    fig = bisect_figure(path, key="req-0:4:chunked:8")  # the notebook draws the growth, no carried line
+    names = [t.name for t in fig.data]
+    assert "growth by the layer" in names and "carried from before" not in names
+    assert list(next(t for t in fig.data if t.name.startswith("total")).y) == [x["total"] for x in row["layers"]]
 
 
 def test_bad_contexts_are_clear_errors(recorded, capsys):
