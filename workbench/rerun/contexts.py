@@ -155,12 +155,17 @@ def run_context(loaded: Any, name: str, requests: list[Request], req_id: str, up
             _drain(e)
             cached = min(_shared_prefix(warm.prompt_ids, target.prompt_ids), n_prompt - 1)
             run.note = f"{cached} prompt tokens from the prefix cache (computed by {warm.req_id})"
-        rid = None
+        rid, skipped = None, 0
         for r in requests if ctx.kind == "batched" else [target]:  # in arrival order: the rows as recorded
             if r is target:
                 rid = _submit(e, target, upto, wanted, capture)
-            else:
+                continue
+            try:
                 _submit(e, r, len(r.tokens) - 1)
+            except ValueError:  # add_request refused it (e.g. longer than the reference's context): left out
+                skipped += 1
+        if skipped:
+            run.note = f"{skipped} of the trace's requests could not be batched with it"
         _drain(e)
         out = e.finished[rid]
     for p in range(upto + 1):
