@@ -118,7 +118,6 @@ def run_context(loaded: Any, name: str, requests: list[Request], req_id: str, up
     """Teacher-force request `req_id`'s recorded tokens 0..upto through an engine on `loaded` in context
     `name` (`requests`: the trace's requests in arrival order, that one among them); the
     log-probabilities of `token_ids` (and of each chosen token) at every output position."""
-    from workbench.engine.config import EngineArgs
     from workbench.engine.engine import Engine
     from workbench.engine.sample.sampling_params import MAX_TOKEN_IDS_LOGPROB
     from workbench.trace.recorder import MemorySink
@@ -129,18 +128,7 @@ def run_context(loaded: Any, name: str, requests: list[Request], req_id: str, up
     if not 0 <= upto < len(target.tokens):
         raise ValueError(f"context run: upto must be in [0, {len(target.tokens)}), got {upto}")
     n_prompt = len(target.prompt_ids)
-    base = EngineArgs(device=str(loaded.device))
-    whole = max(base.chunk_size, n_prompt)  # alone: the prompt in one chunk, whatever its length
-    args = base.replace(chunk_size=whole, max_batch_tokens=max(base.max_batch_tokens, whole))
-    note = ""
-    if ctx.kind == "chunked":
-        args = args.replace(chunk_size=ctx.chunk, max_batch_tokens=max(ctx.chunk, base.max_batch_tokens))
-        if ctx.chunk >= n_prompt:
-            note = f"the prompt ({n_prompt} tokens) fits one chunk of {ctx.chunk}: the same as alone"
-    elif ctx.kind == "prefix-cache":
-        args = args.replace(prefix_cache=True)
-    elif ctx.kind == "batched":
-        args = base  # the engine's defaults: chunks and budget as a batch of the trace's requests met them
+    args, note = _engine_args(ctx, str(loaded.device), n_prompt)
     capture = None
     sink = None
     if capture_at is not None:
@@ -183,6 +171,24 @@ def run_context(loaded: Any, name: str, requests: list[Request], req_id: str, up
         if name_ is not None:
             run.residual = np.asarray(sink.tensors[name_], dtype=np.float32)
     return run
+
+
+def _engine_args(ctx: Context, device: str, n_prompt: int) -> tuple[Any, str]:
+    """The EngineArgs of a context (the engine's defaults otherwise) and a note when it changes nothing."""
+    from workbench.engine.config import EngineArgs
+
+    base = EngineArgs(device=device)
+    if ctx.kind == "batched":  # the engine's defaults: chunks and budget as a batch of the trace's requests met them
+        return base, ""
+    whole = max(base.chunk_size, n_prompt)  # alone: the prompt in one chunk, whatever its length
+    args = base.replace(chunk_size=whole, max_batch_tokens=max(base.max_batch_tokens, whole))
+    if ctx.kind == "prefix-cache":
+        return args.replace(prefix_cache=True), ""
+    if ctx.kind == "chunked":
+        note = f"the prompt ({n_prompt} tokens) fits one chunk of {ctx.chunk}: the same as alone" \
+            if ctx.chunk >= n_prompt else ""
+        return args.replace(chunk_size=ctx.chunk, max_batch_tokens=max(ctx.chunk, base.max_batch_tokens)), note
+    return args, ""
 
 
 def _submit(engine: Any, req: Request, upto: int, token_ids: tuple[int, ...] = (), capture: Any = None) -> str:
