@@ -9,6 +9,10 @@ flips (a request's first differing token) and how many flips sit at a risk above
 
     python benchmarks/flip_risk.py [--model smollm2] [--dtype bfloat16] [--kernels exact] [--new 32]
                                    [--out /tmp/flip_risk.wbtrace] [--threads N]
+                                   [--context chunked:16 --context prefix-cache --context speculative]
+
+With `--context`, each of those contexts is a column of the map too (`workbench invariance --context`),
+and the summary counts flips per context.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32, help="tokens per request")
     ap.add_argument("--out", default="/tmp/flip_risk.wbtrace")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (1 on a loaded machine)")
+    ap.add_argument("--context", action="append", default=[], help="another context besides alone (repeatable)")
     args = ap.parse_args()
     import torch
 
@@ -44,12 +49,12 @@ def main() -> None:
     t0 = time.perf_counter()
     with Engine(args.model, device="cpu", dtype=args.dtype, kernels=args.kernels, trace=args.out) as engine:
         engine.generate(chat_prompts(16), SamplingParams(temperature=0, max_new_tokens=args.new, ignore_eos=True))
-    report = invariance(args.out)
+    report = invariance(args.out, contexts=args.context)
     print(report.describe())
     print(report.risk_table(20))
-    flips = [{"req_id": r.req_id, "position": r.positions[r.first_diff].position,
-              "margin": r.positions[r.first_diff].margin, "risk": r.positions[r.first_diff].risk}
-             for r in report.requests if r.first_diff is not None]
+    flips = [{"req_id": r.req_id, "context": c, "position": p, "risk": next(
+              (q.risk for q in r.positions if q.position == p), None)}
+             for r in report.requests for c, p in r.flips.items() if p is not None]
     print(json.dumps({**report.risk_summary(), "flips_at": flips, "seconds": round(time.perf_counter() - t0, 1)}))
 
 

@@ -15,8 +15,9 @@ from typing import Any
 
 from tui.fmt import fork_label, kernels_label
 from tui.inside import load_inside
-from tui.stepview import RequestData, StepView
+from tui.stepview import RequestData, StepView, request_bisects
 from tui.vocab import Vocab, load_tokenizer, tokenizer_folder
+from workbench.trace.bisect_store import read_bisects
 from workbench.trace.checks import read_checks
 from workbench.trace.events import Event
 from workbench.trace.invariance_store import read_invariance
@@ -45,6 +46,7 @@ class TraceModel:
         self.problem: str | None = None  # the last damage found while reading (one line, for the status line)
         self._checks: dict[str, dict[str, Any]] | None = None
         self._invariance: tuple[dict[str, Any] | None, dict[str, dict[str, Any]]] | None = None
+        self._bisects: list[dict[str, Any]] | None = None
         self.has_capture = False  # set by the first step view read (a worker): the trace holds capture
         self._capture_known = False
 
@@ -87,6 +89,13 @@ class TraceModel:
             if self._invariance is None:
                 self._invariance = read_invariance(self.source)
             return self._invariance
+
+    def bisects(self) -> list[dict[str, Any]]:
+        """The stored `workbench bisect` rows (read once; [] when never bisected)."""
+        with self._lock:
+            if self._bisects is None:
+                self._bisects = read_bisects(self.source)
+            return self._bisects
 
     def steps(self) -> list[StepInfo]:
         with self._lock:
@@ -138,6 +147,7 @@ class TraceModel:
             data.check = self.checks().get(req_id)
             summary, rows = self.invariance()
             data.invariance = rows.get(req_id, {} if summary is not None else None)
+            data.bisects = request_bisects(self.bisects(), req_id)
             _remember(self._reqs, req_id, data, _REQ_CACHE)
             return data
 
@@ -178,7 +188,7 @@ class TraceModel:
     def invalidate_tail(self, steps: set[int] | None = None, req_ids: set[str] | None = None) -> None:
         """Forget cached data that new events may have changed (all of it when not told what)."""
         with self._lock:
-            self._requests = self._checks = self._invariance = None
+            self._requests = self._checks = self._invariance = self._bisects = None
             if steps is None:
                 self._views.clear()
             else:

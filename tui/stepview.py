@@ -160,6 +160,12 @@ class RequestData:
     # `workbench invariance`'s row for this request (workbench/trace/invariance_store.py); {} when the
     # trace was measured but not this request, None when it was never measured
     invariance: dict | None = None
+    # `workbench bisect`'s stored results for this request: (position, layer bisect, behaves-like fit)
+    bisects: list[tuple[int, dict | None, dict | None]] = field(default_factory=list)
+
+    @property
+    def bisect_positions(self) -> list[int]:
+        return [p for p, _, _ in self.bisects]
 
     @classmethod
     def build(cls, req_id: str, events: list[Event]) -> RequestData:
@@ -179,3 +185,18 @@ class RequestData:
     def text_until(self, step: int) -> str:
         """The output text the request had produced by the end of `step` (from its token texts)."""
         return "".join(t.text for t in self.tokens if t.step <= step)
+
+
+def request_bisects(rows: list[dict[str, Any]], req_id: str) -> list[tuple[int, dict | None, dict | None]]:
+    """(position, layer bisect row or None, behaves-like row or None) of `req_id`, by position (the
+    last stored layer bisect of a position when there are several)."""
+    out: dict[int, list[dict | None]] = {}
+    for row in rows:
+        if row.get("req_id") != req_id or not isinstance(row.get("position"), int):
+            continue
+        slot = out.setdefault(row["position"], [None, None])
+        if isinstance(row.get("layers"), list):
+            slot[0] = row
+        elif isinstance(row.get("candidates"), list):
+            slot[1] = row
+    return [(p, a, b) for p, (a, b) in sorted(out.items())]

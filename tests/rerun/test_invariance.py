@@ -97,3 +97,37 @@ def test_the_flip_risk_map_puts_the_positions_a_drift_could_flip_first(tiny, tmp
     stored_summary, rows = read_invariance(str(path))
     assert stored_summary["flip_risk"] == summary
     assert all("risk" in p for row in rows.values() for p in row["positions"])
+
+
+def test_the_flip_risk_map_has_a_column_per_context(tiny, tmp_path, capsys):
+    """Beside alone, chunked prefill, a prefix-cache hit and speculation toggled are each re-run and
+    compared with the recorded batch: each is a column of the map, a position's drift is the largest
+    of them, and the stored rows keep every column."""
+    from workbench.trace.invariance_store import read_invariance
+
+    path = _record(tiny, tmp_path / "contexts.wbtrace")
+    contexts = ["chunked:4", "prefix-cache", "speculative"]
+    report = invariance(str(path), req_ids=["req-0", "req-1", "req-3"], contexts=contexts)
+    assert report.contexts == ["alone", *contexts]
+    greedy, sampled = report.request("req-1"), report.request("req-0")
+    for c in ("alone", "chunked:4", "prefix-cache"):  # another computation each: some drift somewhere
+        assert any((p.drifts.get(c) or 0) > 0 for r in report.requests for p in r.positions), c
+    assert all(isinstance(p.drifts["speculative"], float) for p in greedy.positions)  # compared at every position
+    assert all("speculative" not in p.drifts for p in sampled.positions)  # its verify steps draw other numbers
+    assert all(set(p.drifts) == set(report.contexts) for p in greedy.positions)
+    for r in report.requests:
+        for p in r.positions:
+            assert p.drift == max(d for d in p.drifts.values() if d is not None)
+            assert p.risk == pytest.approx(p.drift / p.margin)
+    assert set(report.risk_summary()["flips_by_context"]) == set(report.contexts)
+    assert cli_main(["invariance", str(path), "--request", "req-1", "--context", "chunked:4", "--context",
+                     "speculative"]) == 0
+    out = capsys.readouterr().out
+    assert "batched vs alone, chunked:4, speculative" in out and "flips by context: alone 0" in out
+    head = next(line for line in out.splitlines() if line.startswith("request ") and "risk" in line)
+    assert "chunked:4" in head and "speculative" in head
+    summary, rows = read_invariance(str(path))
+    assert summary["contexts"] == ["alone", "chunked:4", "speculative"]
+    assert set(rows["req-1"]["positions"][0]["drifts"]) == {"alone", "chunked:4", "speculative"}
+    assert cli_main(["invariance", str(path), "--context", "chunked:x"]) == 2
+    assert "chunked:N needs N an int" in capsys.readouterr().err

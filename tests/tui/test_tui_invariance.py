@@ -103,3 +103,26 @@ async def test_workbench_invariance_stores_what_the_tui_shows(tiny, tmp_path: Pa
         assert "not measured for this request" in pane(screen, "tokens")
     assert cli_main(["invariance", str(path), "--request", "req-0", "--no-store"]) == 0
     assert set(read_invariance(path)[1]) == {"req-1", "req-2"}  # --no-store left the stored result alone
+
+
+async def test_a_run_in_several_contexts_shows_the_drift_of_each(example_trace: Path, tmp_path: Path) -> None:
+    """`workbench invariance --context ...` stores each context's drift per position; the Tokens pane
+    names them, the one beyond the top-2 margin marked."""
+    path = tmp_path / "contexts.wbtrace"
+    shutil.copy(example_trace, path)
+    with open_trace(path) as trace:
+        tokens = sorted((e for e in trace.events(kind="token", req_id="req-1")), key=lambda e: e.position)
+    drifts = {"alone": 1e-5, "chunked:4": 3e-5, "speculative": None}
+    positions = [{"position": t.position, "token_batched": t.token_id, "token_alone": t.token_id, "text_batched": t.text,
+                  "text_alone": t.text, "logprob_batched": t.logprob, "logprob_alone": t.logprob, "delta": 1e-5,
+                  "batch_size": 3, "margin": 2e-5, "drift": 3e-5, "risk": 1.5, "drifts": drifts} for t in tokens]
+    store_invariance(path, {"device": "cpu", "dtype": "float32", "requests": 1, "identical": 1, "max_delta": 1e-5,
+                            "contexts": list(drifts)},
+                     [{"req_id": "req-1", "len_batched": len(tokens), "len_alone": len(tokens), "first_diff": None,
+                       "seeded": True, "max_delta": 1e-5, "verdict": None, "positions": positions}])
+    async with tui(path, step=1, request="req-1") as (pilot, screen):
+        await pilot.press("l")
+        await settle(pilot)
+        text = " ".join(pane(screen, "tokens").split())  # the line wraps at the pane's width
+        assert "flip risk 1.5" in text
+        assert "drift by context: alone 1.00e-05 chunked:4 3.00e-05 speculative -" in text

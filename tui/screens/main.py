@@ -17,6 +17,7 @@ from textual.widgets import Footer, Static
 from tui import messages as msg
 from tui.model import TraceModel
 from tui.nav import Navigator, Selection, pick_request
+from tui.screens.bisect import BisectScreen
 from tui.screens.compact import COMPACT_BINDINGS, CompactPanes, PaneBar
 from tui.screens.help import HelpScreen
 from tui.screens.workers import Options, ScreenWorkers
@@ -61,6 +62,7 @@ class MainScreen(CompactPanes, ScreenWorkers):
         Binding("colon", "prompt('jump')", "Jump to step", show=False),
         Binding("y", "copy_text", "Copy the request's text (OSC 52)", show=False),
         Binding("Y", "copy_pane", "Copy the focused pane's text", show=False),
+        Binding("b", "bisect", "Bisect result of the selected token's request (workbench bisect)", show=False),
         Binding("escape", "clear", "Clear the search mark (also closes help and the command line)", show=False),
         Binding("question_mark", "help", "Help"),
         Binding("q", "quit", "Quit"),
@@ -387,6 +389,14 @@ class MainScreen(CompactPanes, ScreenWorkers):
     def action_clear(self) -> None:
         self.hit, self.query_text, self.note = None, None, ""
         self.redraw()
+
+    def action_bisect(self) -> None:
+        data = self.request
+        if data is None or not data.bisects:
+            rid = data.req_id if data is not None else "REQ"
+            self.notify(f"no bisect stored for {rid} (workbench bisect FILE --at {rid}:POS)", severity="warning")
+            return
+        self.app.push_screen(BisectScreen(data.req_id, data.bisects, self.sel.position))
 
     def action_help(self) -> None:
         self.app.push_screen(HelpScreen(list(self.BINDINGS)))

@@ -55,6 +55,13 @@ def invariance_line(data: RequestData, position: int) -> Text | None:
     if isinstance(risk, (int, float)):
         head.append(" · flip risk ")
         head.append(f"{risk:.2g}", "bold white on red" if risk > 1 else ("yellow" if risk > 0.5 else "green"))
+    drifts = p.get("drifts")
+    if isinstance(drifts, dict) and len(drifts) > 1:  # measured in several contexts: which one drifts most
+        margin = p.get("margin")
+        head.append(" · drift by context:", "dim")
+        for name, d in drifts.items():
+            over = isinstance(d, (int, float)) and isinstance(margin, (int, float)) and d > margin
+            head.append(f" {name} {_exp(d) if isinstance(d, (int, float)) else '-'}", "bold red" if over else "")
     return head
 
 

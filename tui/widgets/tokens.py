@@ -4,7 +4,8 @@ Owns: drawing the prompt line, the output as chips coloured by probability band 
 after the selected step dimmed, the selected token reversed, search matches underlined, checked
 divergences marked), the selected token's id, logprob, rank and source, its top alternatives with
 bars, when the trace was checked, the reference beside each token (widgets/reference.py), and when
-its batch invariance was measured, the drift alone vs batched (widgets/invariance.py). Does not own
+its batch invariance was measured, the drift alone vs batched (widgets/invariance.py), and when it was
+bisected, where (widgets/bisect.py; `b` opens the result). Does not own
 loading the request (the screen's workers do).
 """
 
@@ -18,6 +19,7 @@ from rich.text import Text
 from tui.fmt import BRANCH_MARK, bar, legend, num, p_style, quote, visible
 from tui.stepview import RequestData
 from tui.widgets.base import Pane, PaneContext
+from tui.widgets.bisect import bisect_hint
 from tui.widgets.invariance import invariance_line, invariance_subtitle, invariance_table
 from tui.widgets.reference import (
     check_subtitle,
@@ -105,7 +107,8 @@ def draw_tokens(ctx: PaneContext) -> RenderableType:
         parts.append(Text("no token of this request in this step; h/l selects one", style="dim"))
     else:
         parts.append(token_detail(data.tokens[i]))
-        for line in (reference_line(data, data.tokens[i].position), invariance_line(data, data.tokens[i].position)):
+        for line in (reference_line(data, data.tokens[i].position), invariance_line(data, data.tokens[i].position),
+                     bisect_hint(data.bisect_positions, data.tokens[i].position)):
             if line is not None:
                 parts.append(line)
         if data.tokens[i].top_logprobs:

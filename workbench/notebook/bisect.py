@@ -3,7 +3,8 @@
 Owns: `bisect_figure`, one plotly figure of a stored `workbench bisect` row (trace/bisect_store.py):
 per decoder layer the error the layer adds itself (the suspect numerics on the reference's input),
 the error it carries on (the reference layer on the suspect's input), the total, and the floor of
-the suspect's dtype, on a log axis, with the first layer over its floor marked; hover names each
+the suspect's dtype (against a batch context: the growth of the difference per layer and the
+total, no carried line), on a log axis, with the first layer over its floor marked; hover names each
 layer's worst sub-block and its ratio to its floor. Reads the stored row, never torch or the engine.
 """
 
@@ -39,18 +40,21 @@ def bisect_figure(source: Any, key: str | None = None) -> go.Figure:
     row = source if isinstance(source, dict) else stored_bisect(source, key)
     layers = row["layers"]
     xs = [x["layer"] for x in layers]
+    added = "growth" if row.get("kind") == "context" else "added"  # a context: how much the layer grew the difference
     hover = []
     for x in layers:
         blocks = sorted((b for b in x["blocks"] if b.get("ratio") is not None), key=lambda b: -b["ratio"])
         worst = f"{BLOCK_LABEL.get(blocks[0]['block'], blocks[0]['block'])} {blocks[0]['ratio']:.3g}x its floor" \
             if blocks else "-"
-        hover.append(f"layer {x['layer']}<br>added {x['added']:.3g} ({(x['ratio'] or 0):.3g}x floor)"
-                     f"<br>carried {x['propagated']:.3g}<br>total {x['total']:.3g}<br>worst sub-block: {worst}")
+        carried = "-" if x["propagated"] is None else f"{x['propagated']:.3g}"  # None: a context (not separable)
+        hover.append(f"layer {x['layer']}<br>{added} {x['added']:.3g} ({(x['ratio'] or 0):.3g}x floor)"
+                     f"<br>carried {carried}<br>total {x['total']:.3g}<br>worst sub-block: {worst}")
     fig = go.Figure()
-    fig.add_bar(x=xs, y=[_floor0(x["added"]) for x in layers], name="added by the layer", hovertext=hover,
+    fig.add_bar(x=xs, y=[_floor0(x["added"]) for x in layers], name=f"{added} by the layer", hovertext=hover,
                 hoverinfo="text", marker_color="#d62728")
-    fig.add_scatter(x=xs, y=[_floor0(x["propagated"]) for x in layers], name="carried from before",
-                    mode="lines+markers", line_color="#1f77b4", hoverinfo="skip")
+    if any(x["propagated"] is not None for x in layers):
+        fig.add_scatter(x=xs, y=[_floor0(x["propagated"]) for x in layers], name="carried from before",
+                        mode="lines+markers", line_color="#1f77b4", hoverinfo="skip")
     fig.add_scatter(x=xs, y=[_floor0(x["total"]) for x in layers], name="total at the layer's output",
                     mode="lines", line={"color": "#7f7f7f", "dash": "dot"}, hoverinfo="skip")
     fig.add_scatter(x=xs, y=[_floor0(x["floor"] * row.get("factor", 1.0)) for x in layers],

@@ -1,9 +1,12 @@
 """Which numerics an engine behaves like, from what it reported: `workbench bisect T --at REQ:POS
---against auto` on a probed or watched trace (another engine, no hidden states).
+--against auto` on a probed or watched trace (another engine, no hidden states), or on a trace of
+this engine.
 
 Owns: teacher-forcing the request's prompt and reported tokens through the reference model in each
 candidate numerics (layer_walk.CANDIDATES: float32, bfloat16, float16, fast, fast-int8, each
-through this engine's runner) and comparing, at the position and its neighbours (`window` each
+through this engine's runner) and each batch context (contexts.py: the reference run through the
+engine's real scheduler alone, batched with the trace's other requests, with its prefix from the
+prefix cache, with chunked prefill of N), and comparing, at the position and its neighbours (`window` each
 side), the log-probabilities the engine reported (its chosen token and every top-k alternative it
 sent) with the candidate's log-probabilities of the same tokens. The candidate with the smallest
 median |Δ| is the one the engine behaves like. Does not own the per-layer attribution, which `bisect`
@@ -22,9 +25,21 @@ import workbench.engine.layer_walk as lw
 
 @dataclass(slots=True)
 class CandidateFit:
-    numerics: str
+    numerics: str  # a numerics (layer_walk.CANDIDATES) or a context (contexts.py: alone, batched, ...)
     deltas: dict[int, float]  # output position -> median |engine logprob - candidate logprob| over its reported tokens
     median_abs_delta: float
+    note: str = ""  # a context's: e.g. how many prompt tokens the prefix cache served
+
+    @property
+    def kind(self) -> str:
+        from workbench.rerun.contexts import is_context
+
+        return "context" if is_context(self.numerics) else "numerics"
+
+    def describe(self) -> str:
+        from workbench.rerun.contexts import is_context, parse_context
+
+        return parse_context(self.numerics).describe() if is_context(self.numerics) else f"the reference in {self.numerics}"
 
 
 @dataclass(slots=True)
@@ -42,22 +57,23 @@ class BehavesLike:
     def to_row(self) -> dict[str, Any]:
         return {"key": f"{self.req_id}:{self.position}:behaves-like", "req_id": self.req_id,
                 "position": self.position, "against": "behaves-like", "positions": self.positions,
-                "best": self.best, "candidates": [{"numerics": f.numerics, "median_abs_delta": f.median_abs_delta,
-                                                   "deltas": {str(p): d for p, d in f.deltas.items()}}
-                                                  for f in self.fits]}
+                "best": self.best, "best_text": self.fits[0].describe(),
+                "candidates": [{"numerics": f.numerics, "kind": f.kind, "text": f.describe(), "note": f.note,
+                                "median_abs_delta": f.median_abs_delta,
+                                "deltas": {str(p): d for p, d in f.deltas.items()}} for f in self.fits]}
 
     def describe(self) -> str:
         lines = [f"behaves like {self.req_id}:{self.position}: median |Δ logprob| of the engine's reported tokens "
                  f"(chosen and top-k) at positions {self.positions[0]}..{self.positions[-1]}"]
-        head = f"  {'numerics':<10}  {'median |Δ|':>9}  " + "  ".join(f"{p:>8}" for p in self.positions)
+        head = f"  {'candidate':<13}  {'median |Δ|':>9}  " + "  ".join(f"{p:>8}" for p in self.positions)
         lines += [head, "  " + "-" * (len(head) - 2)]
         for f in self.fits:
             cells = "  ".join(f"{f.deltas[p]:>8.2e}" if p in f.deltas else f"{'-':>8}" for p in self.positions)
-            lines.append(f"  {f.numerics:<10}  {f.median_abs_delta:>9.2e}  {cells}")
+            lines.append(f"  {f.numerics:<13}  {f.median_abs_delta:>9.2e}  {cells}" + (f"  ({f.note})" if f.note else ""))
         runner_up = self.fits[1] if len(self.fits) > 1 else None
         ratio = f" ({runner_up.median_abs_delta / self.fits[0].median_abs_delta:.1f}x closer than {runner_up.numerics})" \
             if runner_up and self.fits[0].median_abs_delta > 0 else ""
-        lines.append(f"  behaves like: {self.best}{ratio}")
+        lines.append(f"  behaves like: {self.best}{ratio}: {self.fits[0].describe()}")
         return "\n".join(lines)
 
 
@@ -73,10 +89,13 @@ def _reported(tok: Any) -> list[tuple[int, float]]:
 
 
 def behaves_like(trace: str, at: str | tuple[str, int], *, model: str | None = None, device: str | None = None,
-                 candidates: tuple[str, ...] = lw.CANDIDATES, window: int = 4, runner: Any = None,
+                 candidates: tuple[str, ...] | None = None, window: int = 4, runner: Any = None,
                  load: Any = None, store: bool = True) -> BehavesLike:
-    """Fit each candidate numerics to what the engine reported around `at` = REQ:POS of `trace`."""
+    """Fit each candidate to what the engine reported around `at` = REQ:POS of `trace`: numerics
+    names (layer_walk.CANDIDATES) and contexts (contexts.py); None: every numerics and every context
+    that applies to the request (contexts.default_contexts)."""
     from workbench.external.check import recorded_scored
+    from workbench.rerun import contexts as cx
     from workbench.rerun.bisect import loader_like, reference_runner
     from workbench.rerun.fork import parse_at
     from workbench.trace.reader import open_trace
@@ -108,14 +127,37 @@ def behaves_like(trace: str, at: str | tuple[str, int], *, model: str | None = N
     rows = [len(s.prompt_ids) + p - 1 for p in positions]
     if rows[0] < 0:
         raise ValueError(f"--at {rid}:{position}: the request has no prompt ids to condition on")
+    target = cx.Request(rid, list(s.prompt_ids), [t.token_id for t in s.tokens])
+    requests = [target if o.req_id == rid else cx.Request(o.req_id, list(o.prompt_ids), [t.token_id for t in o.tokens])
+                for o in scored.values() if o.req_id == rid or (o.tokens and o.prompt_ids and all(
+                    0 <= i < vocab for i in o.prompt_ids + [t.token_id for t in o.tokens]))]  # arrival order
+    others = [r for r in requests if r is not target]
+    if candidates is None:
+        candidates = (*lw.CANDIDATES, *cx.default_contexts(target, others))
+    for name in candidates:
+        if not (name in lw.CANDIDATES or cx.is_context(name)):
+            raise ValueError(f"candidates: {name!r} is neither a numerics ({', '.join(lw.CANDIDATES)}) nor a context "
+                             f"({', '.join(cx.CONTEXT_NAMES)})")
+        if cx.is_context(name):
+            cx.parse_context(name)  # ValueError before any run
+    asked = sorted({k for p in positions for k, _ in _reported(s.tokens[p])})
     fits = []
     for name in candidates:
-        lp = lw.walk(lw.numerics_for(name, runner, load), ids, rows).logprobs  # [rows, vocab]
+        note = ""
+        if cx.is_context(name):
+            run = cx.run_context(runner.loaded, name, requests, rid, positions[-1], asked)
+            got, note = [run.logprobs.get(p, {}) for p in positions], run.note
+        else:
+            lp = lw.walk(lw.numerics_for(name, runner, load), ids, rows).logprobs  # [rows, vocab]
+            got = [{k: float(lp[i, k]) for k, _ in _reported(s.tokens[p]) if k < lp.shape[1]}
+                   for i, p in enumerate(positions)]
         deltas = {}
         for i, p in enumerate(positions):
-            pairs = [(k, v) for k, v in _reported(s.tokens[p]) if k < lp.shape[1]] or [(0, float(lp[i, 0]))]
-            deltas[p] = statistics.median(abs(v - float(lp[i, k])) for k, v in pairs)
-        fits.append(CandidateFit(name, deltas, statistics.median(deltas.values())))
+            pairs = [(k, v) for k, v in _reported(s.tokens[p]) if k in got[i]]
+            if pairs:
+                deltas[p] = statistics.median(abs(v - got[i][k]) for k, v in pairs)
+        if deltas:
+            fits.append(CandidateFit(name, deltas, statistics.median(deltas.values()), note))
     fits.sort(key=lambda f: f.median_abs_delta)
     result = BehavesLike(rid, position, positions, fits, time.perf_counter() - t0)
     if store:

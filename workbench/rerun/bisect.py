@@ -20,7 +20,15 @@ that chose token POS, per decoder layer:
   block *exceeds* its floor when the ratio is above `factor` (default 1).
 
 The first layer (in order) in which a sub-block's added error (or the whole layer's) exceeds its
-floor is named, with that sub-block. The result is a table (`BisectResult.describe`), a stored row in
+floor is named, with that sub-block.
+
+Against a batch context (contexts.py: `batched`, `prefix-cache`, `chunked:N`) both runs go through the
+engine's real scheduler, the reference alone and the suspect in that context, each with its recorded
+tokens forced, and the engine's capture keeps the residual of the row that chose POS after each
+layer. A layer cannot be re-run "in a batch" on another input (the batch is the shape of the whole
+computation), so added and carried are not separated there: per layer the result gives the total
+difference and its **growth** in that layer (`added` = max(0, total - the total before it)),
+against the float32 floor of the layer's output, and names the first layer whose growth exceeds it. The result is a table (`BisectResult.describe`), a stored row in
 the trace (trace/bisect_store.py) and a figure (notebook/bisect.py). Which numerics an external
 engine behaves like is behaves_like.py.
 """
@@ -55,8 +63,8 @@ class BlockError:
 @dataclass(slots=True)
 class LayerError:
     layer: int
-    added: float  # the layer's own error (suspect layer on the reference's input)
-    propagated: float  # reference layer on the suspect's input
+    added: float  # the layer's own error (suspect layer on the reference's input); a context's: the growth
+    propagated: float | None  # reference layer on the suspect's input (None for a context: not separable)
     total: float  # suspect residual vs reference residual after the layer
     floor: float
     norm: float  # |reference residual| after the layer, for scale
@@ -92,6 +100,7 @@ class BisectResult:
     embed_error: float  # |suspect embeddings - reference embeddings| at the row
     seconds: float = 0.0
     note: str = ""
+    kind: str = "numerics"  # or "context" (contexts.py): added is the growth of the difference in the layer
 
     @property
     def first(self) -> tuple[int, str] | None:
@@ -113,7 +122,7 @@ class BisectResult:
                 "factor": self.factor, "recorded_token": self.recorded_token,
                 "reference_pick": asdict(self.reference_pick), "suspect_pick": asdict(self.suspect_pick),
                 "embed_error": self.embed_error, "first_layer": first[0] if first else None,
-                "first_block": first[1] if first else None, "note": self.note,
+                "first_block": first[1] if first else None, "note": self.note, "kind": self.kind,
                 "layers": [{"layer": x.layer, "added": x.added, "propagated": x.propagated, "total": x.total,
                             "floor": x.floor, "norm": x.norm, "ratio": _finite(x.ratio),
                             "blocks": [{"block": b.block, "added": b.added, "floor": b.floor,
@@ -229,6 +238,16 @@ def bisect(trace: str, at: str | tuple[str, int], *, against: str | dict[str, to
             runner, load = reference_runner(t, model, device)
         elif load is None:
             load = loader_like(runner)
+    from workbench.rerun.contexts import is_context
+
+    if isinstance(against, str) and is_context(against):
+        result = bisect_context(str(trace), rid, position, against, runner, float(factor))
+        result.seconds = time.perf_counter() - t0
+        if store:
+            from workbench.trace.bisect_store import store_bisect
+
+            store_bisect(trace, result.to_row())
+        return result
     ref = lw.numerics_for("float32", runner, load)
     sus = lw.swapped(ref, against) if isinstance(against, dict) else lw.numerics_for(against, runner, load)
     tok = runner.loaded.tokenizer
@@ -241,6 +260,52 @@ def bisect(trace: str, at: str | tuple[str, int], *, against: str | dict[str, to
 
         store_bisect(trace, result.to_row())
     return result
+
+
+def bisect_context(trace: str, rid: str, position: int, context: str, runner: Any, factor: float) -> BisectResult:
+    """The reference alone vs the reference in `context` (both through the engine's scheduler, tokens
+    forced), compared layer by layer at the row that chose `position` (the engine's capture)."""
+    from workbench.external.check import recorded_scored
+    from workbench.rerun import contexts as cx
+    from workbench.trace.reader import open_trace
+
+    ctx = cx.parse_context(context)
+    if ctx.kind == "alone":
+        raise ValueError("--against alone is the reference itself: give batched, prefix-cache or chunked:N")
+    with open_trace(trace) as t:
+        ids, recorded = sequence(t, rid, position)
+        scored = recorded_scored(t)
+    vocab = runner.vocab_size
+    reqs = [cx.Request(s.req_id, list(s.prompt_ids), [x.token_id for x in s.tokens]) for s in scored
+            if s.tokens and s.prompt_ids and all(0 <= i < vocab for i in s.prompt_ids + [x.token_id for x in s.tokens])]
+    target = next((r for r in reqs if r.req_id == rid), None)
+    if target is None:
+        raise ValueError(f"--at {rid}:{position}: its token ids are outside the reference's vocabulary [0, {vocab})")
+    others = [r for r in reqs if r.req_id != rid]
+    if ctx.kind == "batched" and not others:
+        raise ValueError(f"--against batched: the trace has no other request to batch {rid!r} with")
+    tok = runner.loaded.tokenizer
+    runs = [cx.run_context(runner.loaded, name, reqs, rid, position, [], capture_at=position)
+            for name in ("alone", ctx.name)]
+    if any(r.residual is None for r in runs):
+        raise ValueError(f"--against {context}: the engine captured no residual at {rid}:{position}")
+    a, b = (torch.from_numpy(r.residual) for r in runs)  # [layers + 1, hidden]
+    eps = lw.EPS[torch.float32]
+    layers, before = [], float((b[0] - a[0]).norm())
+    for i in range(a.shape[0] - 1):
+        total = float((b[i + 1] - a[i + 1]).norm())
+        norm = float(a[i + 1].norm())
+        layers.append(LayerError(i, max(0.0, total - before), None, total, eps / 2 * norm, norm))
+        before = total
+    picks = []
+    for r in runs:
+        top = r.top.get(position) or [(recorded or 0, 0.0)]
+        margin = top[0][1] - top[1][1] if len(top) > 1 else 0.0
+        picks.append(Pick(top[0][0], tok.decode([top[0][0]]), top[0][1], margin))
+    note = "; ".join(x for x in (runs[1].note, "" if picks[0].token_id == picks[1].token_id else
+                                 f"the suspect picks {picks[1].text!r} where the reference picks {picks[0].text!r}") if x)
+    return BisectResult(trace, rid, position, ctx.name, f"{runner.loaded.spec} float32 exact, alone", factor, recorded,
+                        picks[0], picks[1], layers, float((b[0] - a[0]).norm()), note=note, kind="context")
 
 
 def loader_like(runner: Any) -> Any:

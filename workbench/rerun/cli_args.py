@@ -103,6 +103,10 @@ def add_invariance_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request", action="append", default=[], metavar="REQ",
                    help="only this request (repeatable); also prints its per-position table")
     p.add_argument("--tolerance", type=float, default=1e-3, help="top-2 margin below which a flip is a near tie")
+    p.add_argument("--context", action="append", default=[], metavar="CONTEXT",
+                   help="another context to compare the recorded batch with, besides alone (repeatable): chunked:N "
+                        "(chunked prefill of N tokens), prefix-cache (the prompt a prefix-cache hit), speculative "
+                        "(n-gram speculative decoding toggled); each a column of the flip-risk map")
     p.add_argument("--device", default=None)
     p.add_argument("--no-store", action="store_true",
                    help="do not store the result in the trace (by default the TUI shows it for each request)")
@@ -112,7 +116,7 @@ def run_invariance(args: argparse.Namespace) -> int:
     from workbench.rerun.invariance import invariance
 
     report = invariance(args.trace, device=args.device, tolerance=args.tolerance, progress=sys.stderr.isatty(),
-                        req_ids=args.request or None)
+                        req_ids=args.request or None, contexts=args.context)
     print(report.describe())
     print("\n" + report.risk_table())
     for rid in args.request or []:
@@ -125,15 +129,46 @@ def run_invariance(args: argparse.Namespace) -> int:
     return 0
 
 
+def _suspect(value: str) -> str:
+    """--against: a numerics, a batch context, or auto (argparse's message for anything else)."""
+    from workbench.rerun.contexts import is_context, parse_context
+    from workbench.trace.bisect_store import CANDIDATES
+
+    if value in (*CANDIDATES, "auto"):
+        return value
+    if is_context(value):
+        try:
+            return parse_context(value).name
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(CANDIDATES)}, batched, "
+                                     "prefix-cache, chunked:N, auto)")
+
+
+def _candidates(value: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in value.split(",") if x.strip())
+    for name in names:
+        if name == "auto":
+            raise argparse.ArgumentTypeError("--candidates: auto is not a candidate")
+        _suspect(name)
+    if not names:
+        raise argparse.ArgumentTypeError("--candidates: give at least one name")
+    return names
+
+
 def add_bisect_args(p: argparse.ArgumentParser) -> None:
     from workbench.trace.bisect_store import CANDIDATES
 
     p.add_argument("trace")
     p.add_argument("--at", required=True, metavar="REQ:POSITION", help="the position to explain, e.g. req-3:5")
-    p.add_argument("--against", default=None, metavar="NUMERICS", choices=(*CANDIDATES, "auto"),
-                   help=f"the numerics under suspicion: {', '.join(CANDIDATES[1:])}, or auto (which numerics the "
-                        "trace's engine behaves like, then bisect that one); default: auto for a probed trace, "
-                        "bfloat16 otherwise")
+    p.add_argument("--against", default=None, metavar="SUSPECT", type=_suspect,
+                   help=f"the numerics under suspicion: {', '.join(CANDIDATES[1:])}; a batch context: batched "
+                        "(with the trace's other requests), prefix-cache, chunked:N (chunked prefill of N tokens); or "
+                        "auto (which of those the trace's engine behaves like, then bisect that one); default: auto "
+                        "for a probed trace, bfloat16 otherwise")
+    p.add_argument("--candidates", default=None, type=_candidates, metavar="A,B,...",
+                   help="auto: the candidates to fit (default: every numerics, and every context that applies: "
+                        "alone, batched, prefix-cache, chunked:N for N in 8, 16, ... below the prompt's length)")
     p.add_argument("--model", default=None, help="the reference model (default: the trace's; smollm2 for a probe)")
     p.add_argument("--factor", type=float, default=1.0, help="name a block whose added error is above FACTOR x its floor")
     p.add_argument("--window", type=int, default=4, help="auto: neighbours each side of the position to compare")
@@ -153,9 +188,9 @@ def run_bisect(args: argparse.Namespace) -> int:
         from workbench.rerun.behaves_like import behaves_like
 
         fit = behaves_like(args.trace, args.at, window=args.window, runner=runner, load=load,
-                           store=not args.no_store)
+                           store=not args.no_store, candidates=args.candidates)
         print(fit.describe())
-        if fit.best == "float32":
+        if fit.best in ("float32", "alone"):
             print("the engine behaves like the reference numerics here: nothing to bisect")
             return 0
         against = fit.best

@@ -9,11 +9,14 @@ computing the attribution (workbench/rerun/bisect.py).
 
 Row payload: `{"key", "req_id", "position", "against", "reference", "factor", "recorded_token",
 "reference_pick" / "suspect_pick": {"token_id", "text", "logprob", "margin"}, "embed_error",
-"first_layer", "first_block", "note", "layers": [{"layer", "added", "propagated", "total", "floor",
-"norm", "ratio", "blocks": [{"block", "added", "floor", "ratio"}]}]}` (errors are L2 norms over the
-hidden vector of the row that picked the token at `position`; `ratio` = added / floor); a
-`behaves_like` row (key `REQ:POS:behaves-like`) has `"candidates": [{"numerics", "deltas",
-"mean_abs_delta"}]` and `"best"` instead of layers.
+"first_layer", "first_block", "note", "kind", "layers": [{"layer", "added", "propagated", "total",
+"floor", "norm", "ratio", "blocks": [{"block", "added", "floor", "ratio"}]}]}` (errors are L2 norms
+over the hidden vector of the row that picked the token at `position`; `ratio` = added / floor;
+`kind` "numerics", or "context" against a batch context (`batched`, `prefix-cache`, `chunked:N`),
+where `added` is the growth of the difference in the layer and `propagated` is None); a
+`behaves_like` row (key `REQ:POS:behaves-like`) has `"candidates": [{"numerics", "kind", "text",
+"note", "deltas", "median_abs_delta"}]` (best first; `numerics` names a numerics or a context),
+`"best"` and `"best_text"` instead of layers.
 """
 
 from __future__ import annotations
