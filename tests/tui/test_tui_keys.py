@@ -21,7 +21,8 @@ KEYS_TESTED = {"n", "j", "down", "p", "k", "up", "pagedown", "ctrl+d", "pageup",
                "l", "right", "h", "left", "r", "R", "slash", "right_square_bracket", "left_square_bracket", "f", "F",
                "colon", "y", "Y", "escape", "question_mark", "q",
                "1", "2", "3", "4", "5", "6", "z",  # pane keys and maximize: tests/tui/test_tui_compact.py
-               "i"}  # the layers pane: tests/tui/test_tui_layers.py
+               "i",  # the layers pane: tests/tui/test_tui_layers.py
+               "w"}  # a watch proxy's conformance view: tests/tui/test_tui_conformance.py
 
 
 def test_every_binding_is_tested() -> None:

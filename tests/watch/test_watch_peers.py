@@ -308,6 +308,7 @@ def test_a_measured_floor_classifies_llamacpps_traffic_as_check_floor_does(llama
             moved = w.verdict in ("near_tie", "real") and q.gap <= floor.flip_bound(q.ref_logprob + q.gap)
             assert q.verdict == ("floor" if moved else w.verdict)
     inside = sum(rc.inside_floor for rc in report.requests)
+    assert inside, "no flip of llama.cpp's fell inside the floor measured against it: nothing was classified by it"
     counts = status["totals"]["positions"]
     assert counts["floor"] == inside and counts["real"] == report.real_positions
     assert status["floor"]["max_abs"] == floor.max_abs and status["floor"]["source"]["url2"] == floor.source["url2"]

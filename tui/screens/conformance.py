@@ -154,7 +154,8 @@ class ConformanceScreen(Screen):
             self.query_one("#conf-detail", Static).update(Text(f"cannot draw it: {exc}", "bold red"))
 
     @on(DataTable.RowHighlighted)
-    def _highlighted(self, event: DataTable.RowHighlighted) -> None:
+    @on(DataTable.RowSelected)
+    def _highlighted(self, event: DataTable.RowHighlighted | DataTable.RowSelected) -> None:
         d = self.selected()
         if d is not None:
             self.show(d)

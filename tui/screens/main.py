@@ -64,7 +64,7 @@ class MainScreen(CompactPanes, ScreenWorkers):
         Binding("escape", "clear", "Clear the search mark (also closes help and the command line)", show=False),
         Binding("w", "conformance", "Conformance: a watch proxy's live view (live mode)", show=False),
         Binding("question_mark", "help", "Help"),
-        Binding("q", "quit", "Quit (a trace opened from the conformance view: back to it)"),
+        Binding("q", "quit", "Quit"),  # a trace opened from the conformance view: back to it
     ] + COMPACT_BINDINGS
 
     def __init__(self, options: Options) -> None:
