@@ -132,6 +132,11 @@ async def test_live_mode_on_a_watch_proxy_opens_its_conformance_view(watched) ->
         await wait_for(pilot, lambda: "reference" in pane(opened, "tokens"), timeout=10)
         tokens = pane(opened, "tokens")
         assert "real divergence" in tokens or "inside the engine's noise floor" in tokens
+        from workbench.trace.checks import read_checks
+
+        stored = [q["verdict"] for q in read_checks(second["trace"])[second["req_id"]]["positions"]]
+        assert (f"check: {stored.count('real')} real, 0 near ties, {stored.count('floor')} inside the floor"
+                in str(opened.query_one("#tokens").border_subtitle))
         await pilot.press("q")
         assert app.screen is screen
 
