@@ -5,7 +5,8 @@ latest real divergences as a table, and the selected one's tokens beside the ref
 poller (a thread worker that reads `/watch/status` and posts `WatchStatus`; it never touches a
 widget) and its keys: `enter` shows a divergence's tokens, `t` asks the app to open its trace file
 at that request in the main view (`OpenRequest`; the watch's traces hold the reference beside every
-checked token), `escape` / `w` goes back. Does not own the drawings (tui/conformance.py) or the status (workbench/watch/metrics.py).
+checked token), `escape` / `w` goes back. Does not own the drawings (tui/conformance.py) or the
+status (workbench/watch/metrics.py).
 """
 
 from __future__ import annotations

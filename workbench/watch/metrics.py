@@ -5,9 +5,9 @@ positions checked by verdict, the |Δlogprob| histogram, requests checked and re
 divergence, the checker's queue depth, capacity and drops, requests the recorder dropped; with a
 measured floor, its bound per |logprob| band and the positions beyond it) and `LiveStatus`
 (thread-safe: conformance per minute, the latest real divergences with each position's token beside
-the reference's, the checker's rate, the floor beside the figures). Metric names start with `workbench_watch_`, so
-they never collide with an upstream's when `/metrics` serves both. Does not own computing verdicts
-(checker.py) or serving them (proxy.py).
+the reference's, the checker's rate, the floor beside the figures). Metric names start with
+`workbench_watch_`, so they never collide with an upstream's when `/metrics` serves both. Does not
+own computing verdicts (checker.py) or serving them (proxy.py).
 """
 
 from __future__ import annotations
