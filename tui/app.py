@@ -1,12 +1,14 @@
 """The Textual app: one main screen over a trace file or a live server.
 
-Owns `WorkbenchApp` (options in, the main screen out, styles from tui.tcss). Everything else lives
-in screens/ and widgets/. Does not import the engine.
+Owns `WorkbenchApp` (options in, the main screen out, styles from tui.tcss; a trace opened from the
+conformance view is a main screen pushed over it). Everything else lives in screens/ and widgets/.
+Does not import the engine.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from textual.app import App
 from textual.screen import Screen
@@ -35,6 +37,11 @@ class WorkbenchApp(App[None]):
 
     def get_default_screen(self) -> Screen:
         return MainScreen(self.options)
+
+    def on_conformance_screen_open_request(self, message: Any) -> None:
+        """`t` on the conformance view: the divergent request's trace file in the main view (`q` comes back)."""
+        self.push_screen(MainScreen(Options(path=message.path, start_request=message.req_id,
+                                            show_times=self.options.show_times)))
 
     @property
     def main(self) -> MainScreen:

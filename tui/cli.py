@@ -16,7 +16,8 @@ def build_parser(prog: str = "workbench tui") -> argparse.ArgumentParser:
         prog=prog, description="Step through a workbench trace, or follow a running server's live events.",
         epilog="Press ? in the TUI for every key binding.")
     parser.add_argument("file", nargs="?", help="a .wbtrace file (it may still be being written)")
-    parser.add_argument("--live", metavar="URL", help="follow a server's /debug/events stream, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--live", metavar="URL", help="follow a server's /debug/events stream, e.g. http://127.0.0.1:8000 "
+                        "(a workbench watch proxy's URL opens its conformance view; w switches)")
     parser.add_argument("--tokenizer", metavar="PATH", help="a tokenizer folder or tokenizer.json to show prompt ids as text")
     parser.add_argument("--step", type=int, metavar="N", help="open at step N")
     parser.add_argument("--request", metavar="ID", help="select this request")

@@ -67,3 +67,11 @@ class LiveStatus(Message):
 
 class VocabReady(Message):
     """A tokenizer was loaded: ids can now be shown as text."""
+
+
+class WatchFound(Message):
+    """The live URL is a `workbench watch` proxy: its `/watch/status` answered (live mode opens its conformance view)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url = url

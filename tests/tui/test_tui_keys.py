@@ -22,7 +22,8 @@ KEYS_TESTED = {"n", "j", "down", "p", "k", "up", "pagedown", "ctrl+d", "pageup",
                "colon", "y", "Y", "escape", "question_mark", "q",
                "1", "2", "3", "4", "5", "6", "z",  # pane keys and maximize: tests/tui/test_tui_compact.py
                "i",  # the layers pane: tests/tui/test_tui_layers.py
-               "b"}  # a stored bisect: tests/tui/test_tui_bisect.py
+               "b",  # a stored bisect: tests/tui/test_tui_bisect.py
+               "w"}  # a watch proxy's conformance view: tests/tui/test_tui_conformance.py
 
 
 def test_every_binding_is_tested() -> None:

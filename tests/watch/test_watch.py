@@ -311,3 +311,37 @@ def test_the_command_refuses_a_bad_value_in_one_line(capsys) -> None:
 
     assert main(["watch", "--upstream", "http://127.0.0.1:9", "--sample", "1.5"]) == 2
     assert "--sample must be a fraction in [0, 1], got 1.5" in capsys.readouterr().err
+
+
+def test_the_reference_process_classifies_against_the_floor_it_is_given(tiny) -> None:
+    """`watch --floor` runs the reference in a process of its own: the floor crosses to it, and its verdicts
+    are those of the same scoring in this process (and not those without the floor)."""
+    import math
+
+    from workbench.engine.engine import Engine
+    from workbench.external.check import Scored
+    from workbench.external.floor import Floor, FloorBand
+    from workbench.trace.events import TokenChosen
+    from workbench.watch.scorer import ProcessScorer, ThreadScorer
+
+    floor = Floor([FloorBand(0.0, math.inf, 40, 40, 0.5)], 2, 40, 1, [1e6], 0, {"url": "http://replica"})
+    tokens = [TokenChosen(step=0, req_id="r", t=0.0, position=i, token_id=100 + 7 * i, text="", logprob=-1.0, rank=None,
+                          top_logprobs=[], source="external") for i in range(6)]
+
+    def batch() -> list[Scored]:
+        return [Scored("r", True, [1, 2, 3, 4], list(tokens))]
+
+    engine = Engine(tiny, trace=None, trace_level="off")
+    local, plain = ThreadScorer(lambda: engine, 0.05, floor), ThreadScorer(lambda: engine, 0.05)
+    local.start()
+    plain.start()
+    remote = ProcessScorer("tiny-random", device="cpu", tolerance=0.05, threads=1, floor=floor)
+    remote.start()
+    try:
+        [there] = remote.score(batch())
+    finally:
+        remote.close()
+    [here], [without] = local.score(batch()), plain.score(batch())
+    assert [(p.verdict, p.floor) for p in there.positions] == [(p.verdict, p.floor) for p in here.positions]
+    assert {p.verdict for p in here.positions} == {"floor"} and {p.floor for p in here.positions} == {0.5}
+    assert {p.verdict for p in without.positions} <= {"real", "near_tie"} and without.positions[0].floor is None

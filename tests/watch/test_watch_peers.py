@@ -263,3 +263,58 @@ def test_llamacpp_divergences_are_found_as_check_finds_them(llamacpp_server, vll
     assert status["totals"]["requests_real"] == len(report.real_divergences)
     assert status["latest_real"] and status["latest_real"][0]["req_id"] in {r.req_id for r in report.real_divergences}
     print(f"\nllama.cpp through watch: {status['totals']}")
+
+
+def test_a_measured_floor_classifies_llamacpps_traffic_as_check_floor_does(llamacpp_server, vllm_server, reference,
+                                                                          browser, tmp_path) -> None:
+    """`watch --floor FILE`: the floor `workbench floor` measures between two deployments of SmolLM2 (the
+    fp32 vLLM and llama.cpp's Q4_1 as the two replicas), then llama.cpp's traffic through a watch that
+    classifies against it: position by position the verdicts of `workbench check --floor` on the same
+    trace, flips within the measured spread inside the floor, and the floor beside the figures in
+    /watch/status, /metrics and on the live page."""
+    from workbench.external.check import check_trace
+    from workbench.external.floor import measure_floor
+    from workbench.external.records import ProbeRequest
+    from workbench.trace.checks import read_checks
+
+    url = llamacpp_server.check_alive().url
+    floor = measure_floor(vllm_server.check_alive().url, [ProbeRequest(prompt=p) for p in PLAIN[4:7]],
+                          tmp_path / "floor.json", url2=url, top_logprobs=20, max_tokens=12, concurrency=1,
+                          progress=False)
+    print(f"\n{floor.describe()}")
+    watch = Watch(url, out=tmp_path / "traces", sample=1.0, engine=reference, floor=tmp_path / "floor.json")
+    model = _model(url)
+    with WatchServer(watch) as server:
+        for p in PLAIN[:3]:
+            r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+                "model": model, "prompt": p, "max_tokens": 24, "temperature": 0.0, "repeat_penalty": 1.0})
+            assert r.status_code == 200
+        assert watch.settle(300)
+        status = httpx.get(server.url + "/watch/status").json()
+        metrics = httpx.get(server.url + "/watch/metrics").text  # llama.cpp's server has no /metrics of its own
+        page = browser.new_page()
+        page.goto(server.url + "/watch")
+        page.wait_for_function("document.getElementById('inside').textContent !== ''", timeout=30_000)
+        shown = {k: page.locator(f"#{k}").text_content() for k in ("floor", "inside", "beyond", "positions")}
+        page.close()
+    [path] = watch.recorder.files
+    live = read_checks(path)
+    report = check_trace(path, "smollm2", engine=reference, store=False, progress=False, floor=tmp_path / "floor.json")
+    plain = check_trace(path, "smollm2", engine=reference, store=False, progress=False)
+    for rc, without in zip(report.requests, plain.requests, strict=True):
+        assert [q["verdict"] for q in live[rc.req_id]["positions"]] == [q.verdict for q in rc.positions]
+        # the floor moves a greedy flip from near tie / real to inside it only where its spread covers the gap
+        for q, w in zip(rc.positions, without.positions, strict=True):
+            moved = w.verdict in ("near_tie", "real") and q.gap <= floor.flip_bound(q.ref_logprob + q.gap)
+            assert q.verdict == ("floor" if moved else w.verdict)
+    inside = sum(rc.inside_floor for rc in report.requests)
+    assert inside, "no flip of llama.cpp's fell inside the floor measured against it: nothing was classified by it"
+    counts = status["totals"]["positions"]
+    assert counts["floor"] == inside and counts["real"] == report.real_positions
+    assert status["floor"]["max_abs"] == floor.max_abs and status["floor"]["source"]["url2"] == floor.source["url2"]
+    assert f'workbench_watch_positions_checked_total{{verdict="floor"}} {float(inside)}' in metrics
+    assert "workbench_watch_floor_bound{" in metrics and "workbench_watch_positions_beyond_floor_total" in metrics
+    assert shown["floor"].startswith(f"measured at {floor.source['url']} ({floor.positions} positions")
+    assert shown["inside"] == str(inside) and shown["beyond"] == str(status["totals"]["beyond_floor"])
+    assert f"floor {inside}" in shown["positions"]
+    print(f"\nllama.cpp through watch --floor: {counts}, beyond the floor {status['totals']['beyond_floor']}")

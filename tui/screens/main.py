@@ -64,8 +64,9 @@ class MainScreen(CompactPanes, ScreenWorkers):
         Binding("Y", "copy_pane", "Copy the focused pane's text", show=False),
         Binding("b", "bisect", "Bisect result of the selected token's request (workbench bisect)", show=False),
         Binding("escape", "clear", "Clear the search mark (also closes help and the command line)", show=False),
+        Binding("w", "conformance", "Conformance: a watch proxy's live view (live mode)", show=False),
         Binding("question_mark", "help", "Help"),
-        Binding("q", "quit", "Quit"),
+        Binding("q", "quit", "Quit"),  # a trace opened from the conformance view: back to it
     ] + COMPACT_BINDINGS
 
     def __init__(self, options: Options) -> None:
@@ -82,6 +83,7 @@ class MainScreen(CompactPanes, ScreenWorkers):
         self.tail = options.live_url is not None
         self.note = "opening…"
         self.server_note = ""
+        self.watch_url: str | None = None  # the live URL's /watch/status, when it is a watch proxy
 
     # --- layout ----------------------------------------------------------------------------------
 
@@ -161,6 +163,8 @@ class MainScreen(CompactPanes, ScreenWorkers):
             parts.append(self.note)
         if self.server_note:
             parts.append(self.server_note)
+        if self.watch_url:
+            parts.append("a watch proxy (w: conformance)")
         self.query_one("#status", Static).update(" │ ".join(parts), layout=False)  # one fixed line
 
     # --- worker results --------------------------------------------------------------------------
@@ -177,6 +181,7 @@ class MainScreen(CompactPanes, ScreenWorkers):
         self.load_vocab(self.model)
         if self.options.live_url:
             self.follow_live(self.model, self.options.live_url)
+            self.probe_watch(self.options.live_url)
         elif not self.model.source.finished:
             self.note = "following a file being written"
             self.follow_file(self.model)
@@ -219,6 +224,11 @@ class MainScreen(CompactPanes, ScreenWorkers):
         else:
             self.note = message.text
         self.refresh_status()
+
+    def on_watch_found(self, message: msg.WatchFound) -> None:
+        self.watch_url = message.url
+        self.refresh_status()
+        self.action_conformance()
 
     def on_search_done(self, message: msg.SearchDone) -> None:
         self.hit = message.hit
@@ -398,8 +408,22 @@ class MainScreen(CompactPanes, ScreenWorkers):
             return
         self.app.push_screen(BisectScreen(data.req_id, data.bisects, self.sel.position))
 
+    def action_conformance(self) -> None:
+        """Live mode on a `workbench watch` proxy: its conformance over time and latest real divergences."""
+        from tui.conformance import status_url
+        from tui.screens.conformance import ConformanceScreen
+
+        if self.options.live_url is None:
+            self.notify("the conformance view follows a watch proxy: workbench tui --live URL", timeout=3)
+            return
+        url = self.watch_url or status_url(self.options.live_url)
+        self.app.push_screen(ConformanceScreen(url, api_key=self.options.api_key, show_times=self.options.show_times))
+
     def action_help(self) -> None:
         self.app.push_screen(HelpScreen(list(self.BINDINGS)))
 
     async def action_quit(self) -> None:
+        if self.app.screen_stack and self.app.screen_stack[0] is not self:  # opened from the conformance view
+            self.app.pop_screen()
+            return
         self.app.exit()

@@ -1,6 +1,7 @@
 """The main screen's background work: opening, loading a selection, following, searching, filtering.
 
-Owns `ScreenWorkers`, a mixin of Textual workers. Each runs off the UI thread (or, for the SSE
+Owns `ScreenWorkers`, a mixin of Textual workers (and, in live mode, the one look at whether the
+URL is a `workbench watch` proxy). Each runs off the UI thread (or, for the SSE
 stream, as an asyncio task) and reports only by posting a message from `tui.messages`; none of
 them touches a widget. Does not own what the messages do to the screen (screens/main.py).
 """
@@ -27,6 +28,7 @@ from tui.messages import (
     StepsChanged,
     TraceReady,
     VocabReady,
+    WatchFound,
 )
 from tui.model import TraceModel, open_source
 from tui.nav import Selection
@@ -162,6 +164,18 @@ class ScreenWorkers(Screen):
 
         await follow_sse(url, on_events, lambda text: self.post_message(LiveStatus(text)), on_info,
                          self.options.api_key)
+
+    @work(thread=True, exclusive=True, group="watch-probe")
+    def probe_watch(self, url: str) -> None:
+        """Is the live URL a `workbench watch` proxy? One GET of its `/watch/status`; posts WatchFound if so."""
+        from tui.conformance import read_status, status_url
+
+        try:
+            status = status_url(url)
+            read_status(status, self.options.api_key)
+        except ValueError:
+            return  # a `workbench serve` (or anything else): live mode as before
+        self.post_message(WatchFound(status))
 
     @work(thread=True, exclusive=True, group="search")
     @reported

@@ -1,7 +1,7 @@
 """The reference column of the Tokens pane: what `workbench check` found for each output token.
 
 Owns: the style of a checked token's chip (a real divergence in red, a near tie in yellow, a
-sampled logprob beyond the tolerance in magenta), the selected token's reference line (reference
+sampled logprob beyond the tolerance in magenta, a flip inside a measured noise floor in cyan), the selected token's reference line (reference
 logprob, Δ to the engine's, the reference's argmax, its top-2 margin, the token's rank under the
 reference, the top-k divergence) and a table of the tokens around the selection with the reference
 beside each. Reads the stored check only (workbench/trace/checks.py); does not compute it.
@@ -17,7 +17,8 @@ from tui.fmt import num, quote
 from tui.stepview import RequestData
 from workbench.trace.checks import position_map
 
-VERDICT_STYLE = {"real": "bold white on red", "near_tie": "black on yellow", "logprob": "bold white on magenta"}
+VERDICT_STYLE = {"real": "bold white on red", "near_tie": "black on yellow", "logprob": "bold white on magenta",
+                 "floor": "black on cyan"}
 VERDICT_TEXT = {"ok": "✓ agrees", "real": "✗ real divergence", "near_tie": "≈ near tie",
                 "logprob": "✗ logprob beyond tolerance", "floor": "≈ inside the engine's noise floor"}
 
@@ -90,7 +91,9 @@ def check_subtitle(data: RequestData) -> str:
     verdicts = [p.get("verdict") for p in data.check.get("positions", []) if isinstance(p, dict)]
     real = sum(v in ("real", "logprob") for v in verdicts)
     ties = sum(v == "near_tie" for v in verdicts)
-    return f" · check: {real} real, {ties} near ties" if real or ties else " · check: agrees"
+    inside = sum(v == "floor" for v in verdicts)
+    floor = f", {inside} inside the floor" if inside else ""
+    return f" · check: {real} real, {ties} near ties{floor}" if real or ties or inside else " · check: agrees"
 
 
 def client_timing_line(data: RequestData, show_times: bool = True) -> Text | None:

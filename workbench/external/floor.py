@@ -4,7 +4,7 @@ Owns: `Floor` (the measurement: per-band figures of |Δlogprob| between two runs
 requests, and the argmax flips with their margins), comparing two traces of the same requests into
 one (`floor_from_traces`), running the two probes that produce them (`measure_floor`: the same
 requests twice to one server, or once to each of two replicas), the JSON file (`save` / `load_floor`,
-untrusted on load) and the bound a check uses at one position (`bound`, `flip_bound`).
+`floor_from_json`; untrusted on load) and the bound a check uses at one position (`bound`, `flip_bound`).
 
 What is compared: each request's output positions in order while both runs chose the same token
 (after a different token the two runs condition on different text). At every such position the
@@ -134,11 +134,17 @@ def load_floor(path: str | os.PathLike[str]) -> Floor:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"floor: {path.name} is not JSON ({exc})") from None
+    return floor_from_json(obj, path.name)
+
+
+def floor_from_json(obj: Any, name: str = "floor") -> Floor:
+    """A `Floor` from what `Floor.to_json` wrote (untrusted: types and ranges are checked); `name` says
+    where it came from in the error."""
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-        raise ValueError(f"floor: {path.name} is not a floor file (format must be {FORMAT!r}; "
+        raise ValueError(f"floor: {name} is not a floor file (format must be {FORMAT!r}; "
                          "write one with `workbench floor`)")
     if obj.get("version") != VERSION:
-        raise ValueError(f"floor: {path.name} has version {obj.get('version')!r}; this workbench reads {VERSION}")
+        raise ValueError(f"floor: {name} has version {obj.get('version')!r}; this workbench reads {VERSION}")
     try:
         bands = [FloorBand(lo=_num(b["lo"]), hi=math.inf if b["hi"] is None else _num(b["hi"]),
                            chosen=_count(b["chosen"]), samples=_count(b["samples"]), max_abs=_num(b["max_abs"]),
@@ -149,7 +155,7 @@ def load_floor(path: str | os.PathLike[str]) -> Floor:
         return Floor(bands, _count(obj["requests"]), _count(obj["positions"]), _count(obj["flips"]), margins,
                      _count(obj["identical_positions"]), source)
     except (KeyError, TypeError) as exc:
-        raise ValueError(f"floor: {path.name} is missing or mistypes a field ({exc})") from None
+        raise ValueError(f"floor: {name} is missing or mistypes a field ({exc})") from None
 
 
 def _num(v: Any) -> float:

@@ -4,7 +4,7 @@ Owns: a bounded queue (`submit` never blocks: when the checker falls behind, the
 counted in `workbench_watch_check_dropped_total` and said in /watch/status), a thread that starts
 the scorer (scorer.py: the reference `Engine`, as `workbench check` loads it, in a process of its
 own) and has it score what is queued in batches (up to `batch` requests in one prefill, through
-`workbench.external.check.score`: the same verdicts as `check`, with the same tolerance), and what
+`workbench.external.check.score`: the same verdicts as `check`, with the same tolerance and floor), and what
 follows each batch: its rows added to the `checks`
 table of the trace file that holds each request, the metrics and the live view. Does not own the
 verdicts' rules (external/check.py) or the recording (recorder.py).
@@ -28,13 +28,15 @@ class Checker:
     """Scores `CheckItem`s in a thread of its own through `scorer` (scorer.py), started there."""
 
     def __init__(self, scorer: Any, *, metrics: WatchMetrics, status: LiveStatus,
-                 tolerance: float, capacity: int = 256, batch: int = 8, reference: str = "smollm2") -> None:
+                 tolerance: float, capacity: int = 256, batch: int = 8, reference: str = "smollm2",
+                 floor: dict[str, Any] | None = None) -> None:
         if not 1 <= capacity <= 1_000_000:
             raise ValueError(f"check queue capacity must be in [1, 1000000], got {capacity}")
         if not 1 <= batch <= 256:
             raise ValueError(f"check batch must be in [1, 256], got {batch}")
         self.scorer, self.metrics, self.status = scorer, metrics, status
         self.tolerance, self.batch, self.capacity, self.reference = tolerance, batch, capacity, reference
+        self.floor = floor  # the measured floor's summary, stored beside each file's figures
         self.queue: queue.Queue[CheckItem] = queue.Queue(maxsize=capacity)
         self.dropped = 0
         self.max_depth = 0  # the deepest the queue has been (bounded by `capacity`)
@@ -129,7 +131,8 @@ class Checker:
         for path, checks in by_file.items():
             report = self._reports[path]
             report.extend(checks)
-            summary = CheckReport(path, self.reference, self.tolerance, report, source="external").summary()
+            summary = CheckReport(path, self.reference, self.tolerance, report, source="external",
+                                  floor=self.floor).summary()
             try:
                 add_checks(path, {**summary, "watch": True}, [rc.to_row() for rc in checks])
             except (ValueError, OSError) as exc:  # the file was rotated away meanwhile

@@ -1,8 +1,8 @@
 """The `workbench watch` command line: its flags, and running the proxy in the foreground.
 
 Owns: the arguments (upstream, port, sample fraction, trace folder and rotation, reference and
-tolerance, the checker's queue and batch) and the start-up lines it prints. Does not own the proxy
-(proxy.py) or its parts.
+tolerance, the measured floor, the checker's queue and batch) and the start-up lines it prints.
+Does not own the proxy (proxy.py) or its parts.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ def add_watch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="where the reference runs (default cpu: float32)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="nats: as `workbench check --tolerance` (default 0.05)")
+    p.add_argument("--floor", default=None, metavar="FLOOR.json",
+                   help="classify against the engine's measured noise floor (workbench floor): inside the floor / "
+                        "near tie / real, as `workbench check --floor`; /metrics and the live view show it")
     p.add_argument("--top-logprobs", type=int, default=5,
                    help="alternatives per token asked of the upstream for sampled requests, 1..20 (default 5)")
     p.add_argument("--check-queue", type=int, default=256,
@@ -51,11 +54,15 @@ def run_watch(args: argparse.Namespace) -> int:
     watch = Watch(args.upstream, out=args.out, sample=args.sample, reference=args.reference, tokenizer=args.tokenizer,
                   tolerance=args.tolerance, device=args.device, top=args.top_logprobs,
                   max_bytes=int(args.max_trace_mb * (1 << 20)), keep=args.keep, check_capacity=args.check_queue,
-                  check_batch=args.check_batch)
+                  check_batch=args.check_batch, floor=args.floor)
     server = WatchServer(watch, host=args.host, port=args.port)
     print(f"watch: proxying {watch.upstream} on {server.url} (sampling {args.sample:g} of generation requests); "
           f"traces in {args.out}/; live view {server.url}/watch/status, metrics {server.url}/metrics",
           file=sys.stderr, flush=True)
+    if watch.floor is not None:
+        src = watch.floor.source
+        print(f"watch: classifying against the floor measured at {src.get('url') or '?'} ({watch.floor.positions} "
+              f"positions, max |Δlogprob| {watch.floor.max_abs:.3g})", file=sys.stderr, flush=True)
     try:
         server.run()
     finally:

@@ -2,11 +2,12 @@
 
 Owns: `WatchMetrics` (one prometheus_client registry: requests by sampled or not, upstream errors,
 positions checked by verdict, the |Δlogprob| histogram, requests checked and requests with a real
-divergence, the checker's queue depth, capacity and drops, requests the recorder dropped) and
-`LiveStatus` (thread-safe: conformance per minute, the latest real divergences with each position's
-token beside the reference's, the checker's rate). Metric names start with `workbench_watch_`, so
-they never collide with an upstream's when `/metrics` serves both. Does not own computing verdicts
-(checker.py) or serving them (proxy.py).
+divergence, the checker's queue depth, capacity and drops, requests the recorder dropped; with a
+measured floor, its bound per |logprob| band and the positions beyond it) and `LiveStatus`
+(thread-safe: conformance per minute, the latest real divergences with each position's token beside
+the reference's, the checker's rate, the floor beside the figures). Metric names start with
+`workbench_watch_`, so they never collide with an upstream's when `/metrics` serves both. Does not
+own computing verdicts (checker.py) or serving them (proxy.py).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from workbench.external.check_report import RequestCheck
+from workbench.external.check_report import PositionCheck, RequestCheck
 
-VERDICTS = ("ok", "near_tie", "real", "logprob")
+# as `workbench check`: `floor` (a greedy flip inside the engine's measured noise floor) only with --floor
+VERDICTS = ("ok", "floor", "near_tie", "real", "logprob")
 DELTA_BUCKETS = (1e-4, 1e-3, 1e-2, 0.05, 0.1, 0.5, 1.0, 5.0)
 BUCKET_S = 60  # conformance over time: one bucket a minute
 LATEST = 20  # real divergences kept for the live view
@@ -27,9 +29,9 @@ CONTEXT = 24  # positions shown on each side of a divergence
 
 
 class WatchMetrics:
-    """The proxy's own Prometheus metrics (text exposition via `render()`)."""
+    """The proxy's own Prometheus metrics (text exposition via `render()`); `floor`: a measured `Floor`."""
 
-    def __init__(self) -> None:
+    def __init__(self, floor: Any = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry(auto_describe=True)
@@ -56,6 +58,16 @@ class WatchMetrics:
         self.check_errors = Counter("workbench_watch_check_errors", "checker batches that failed", registry=r)
         self.trace_dropped = Gauge("workbench_watch_trace_dropped",
                                    "requests not recorded: the recorder's queue was full", registry=r)
+        self.beyond_floor: Any = None
+        if floor is not None:  # the floor beside the figures: its bounds, and how many positions exceed them
+            bound = Gauge("workbench_watch_floor_bound", "the engine's own |delta logprob| bound by |logprob| band "
+                          "(the measured noise floor, workbench floor)", ["band"], registry=r)
+            for band in floor.summary()["bands"]:
+                bound.labels(band=band["band"]).set(band["bound"])
+            Gauge("workbench_watch_floor_max_flip_margin", "the largest reference margin at which the engine "
+                  "flipped its own argmax between two runs (nats)", registry=r).set(floor.max_flip_margin)
+            self.beyond_floor = Counter("workbench_watch_positions_beyond_floor", "checked positions whose "
+                                        "|delta logprob| exceeds the floor's bound for their band", registry=r)
 
     def bind(self, queue_depth: Callable[[], float], capacity: int, trace_dropped: Callable[[], float]) -> None:
         self.queue_depth.set_function(queue_depth)
@@ -70,6 +82,8 @@ class WatchMetrics:
             self.positions.labels(verdict=p.verdict).inc()
             if p.delta is not None:
                 self.delta.observe(abs(p.delta))
+                if self.beyond_floor is not None and p.floor is not None and abs(p.delta) > p.floor:
+                    self.beyond_floor.inc()
 
     def render(self) -> str:
         from prometheus_client import exposition
@@ -80,11 +94,13 @@ class WatchMetrics:
 class LiveStatus:
     """The live view's data, written by the checker's thread and read by `/watch/status`."""
 
-    def __init__(self, *, upstream: str, sample: float, tolerance: float, reference: str) -> None:
+    def __init__(self, *, upstream: str, sample: float, tolerance: float, reference: str,
+                 floor: dict[str, Any] | None = None) -> None:
         self._lock = threading.Lock()
         self.info = {"upstream": upstream, "sample": sample, "tolerance": tolerance, "reference": reference,
-                     "started": time.time()}
-        self.totals = {"requests_checked": 0, "requests_real": 0, "positions": dict.fromkeys(VERDICTS, 0)}
+                     "floor": floor, "started": time.time()}
+        self.totals = {"requests_checked": 0, "requests_real": 0, "positions": dict.fromkeys(VERDICTS, 0),
+                       "beyond_floor": 0 if floor else None}
         self.buckets: deque[dict[str, Any]] = deque(maxlen=24 * 60)
         self.latest: deque[dict[str, Any]] = deque(maxlen=LATEST)
         self.busy_s = 0.0  # checker time spent scoring
@@ -119,6 +135,8 @@ class LiveStatus:
                 for p in rc.positions:
                     self.totals["positions"][p.verdict] += 1
                     bucket["positions"][p.verdict] += 1
+                    if self.totals["beyond_floor"] is not None and _beyond(p):
+                        self.totals["beyond_floor"] += 1
 
     def snapshot(self, extra: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
@@ -133,17 +151,22 @@ class LiveStatus:
                     "notes": list(self.notes)}
 
 
+def _beyond(p: PositionCheck) -> bool:
+    """|Δlogprob| above the engine's own spread for this token's band (with a floor)."""
+    return p.floor is not None and p.delta is not None and abs(p.delta) > p.floor
+
+
 def _divergence(rc: RequestCheck, trace: str, now: float) -> dict[str, Any]:
     """A real divergence for the live view: where, and the tokens around it beside the reference's."""
     first = next(p for p in rc.positions if p.verdict in ("real", "logprob"))
     lo, hi = max(0, first.position - CONTEXT), first.position + CONTEXT + 1
     tokens = [{"position": p.position, "engine": {"id": p.token_id, "text": p.text, "logprob": p.engine_logprob},
                "reference": {"id": p.ref_argmax, "text": p.ref_argmax_text, "logprob_of_engine_token": p.ref_logprob},
-               "delta": p.delta, "verdict": p.verdict}
+               "delta": p.delta, "floor": p.floor, "verdict": p.verdict}
               for p in rc.positions if lo <= p.position < hi]
     return {"req_id": rc.req_id, "trace": trace, "time": now, "greedy": rc.greedy, "position": first.position,
             "verdict": first.verdict, "engine": {"id": first.token_id, "text": first.text,
                                                  "logprob": first.engine_logprob},
             "reference": {"id": first.ref_argmax, "text": first.ref_argmax_text, "gap": first.gap,
                           "margin": first.ref_margin, "logprob_of_engine_token": first.ref_logprob},
-            "real_positions": rc.real, "tokens": tokens}
+            "floor": first.floor, "real_positions": rc.real, "inside_floor": rc.inside_floor, "tokens": tokens}

@@ -1,6 +1,7 @@
 """The watch's live page (`GET /watch`): one self-contained HTML file reading `/watch/status` every second.
 
-Owns the page: the upstream, the reference and its state, totals by verdict and conformance, the
+Owns the page: the upstream, the reference and its state, the measured floor beside the figures
+(or the constant tolerance when none was given), totals by verdict and conformance, the
 conformance of each minute (bars), the checker's queue, rate and drops, and the latest real
 divergences; a click on one opens its tokens beside the reference's. All text goes in through
 `textContent` (token texts are the upstream's, never markup). Does not own the data (metrics.py).
@@ -27,10 +28,13 @@ tr.div:hover{background:#f6f6f6}
 td.tok{font-family:ui-monospace,monospace;white-space:pre}
 tr.v-real td,tr.v-logprob td{background:#fde7ea}
 tr.v-near_tie td{background:#fff6d6}
+tr.v-floor td{background:#e8f0fe}
 </style></head><body>
 <h1>workbench watch <span id="upstream" class="k"></span></h1>
 <div class="row"><span>reference <b id="reference"></b> (<span id="state"></span>)</span>
 <span>sample <b id="sample"></b></span><span>tolerance <b id="tolerance"></b> nats</span></div>
+<div class="row"><span>floor <b id="floor"></b></span><span>inside the floor <b id="inside"></b></span>
+<span>beyond the floor <b id="beyond"></b></span></div>
 <div class="row"><span>conformance <b id="conformance"></b></span><span>requests checked <b id="checked"></b></span>
 <span>with a real divergence <b id="real"></b></span><span>positions <span id="positions"></span></span></div>
 <div class="row"><span>checker queue <b id="queue"></b></span><span>dropped <b id="dropped"></b></span>
@@ -48,12 +52,13 @@ function cell(tr, text, cls) { const td = document.createElement("td"); td.textC
 function show(d) {
   const table = document.createElement("table");
   const head = document.createElement("tr");
-  for (const h of ["pos", "engine token", "logprob", "reference argmax", "\\u0394logprob", "verdict"]) { const th = document.createElement("th"); th.textContent = h; head.appendChild(th); }
+  for (const h of ["pos", "engine token", "logprob", "reference argmax", "\\u0394logprob", "floor", "verdict"]) { const th = document.createElement("th"); th.textContent = h; head.appendChild(th); }
   table.appendChild(head);
   for (const t of d.tokens) {
     const tr = document.createElement("tr"); tr.className = "v-" + t.verdict;
     cell(tr, t.position); cell(tr, JSON.stringify(t.engine.text), "tok"); cell(tr, fmt(t.engine.logprob));
-    cell(tr, JSON.stringify(t.reference.text), "tok"); cell(tr, fmt(t.delta, 3)); cell(tr, t.verdict);
+    cell(tr, JSON.stringify(t.reference.text), "tok"); cell(tr, fmt(t.delta, 3));
+    cell(tr, t.floor === null || t.floor === undefined ? "\\u2014" : fmt(t.floor, 3)); cell(tr, t.verdict);
     table.appendChild(tr);
   }
   const box = $("detail"); box.replaceChildren();
@@ -66,6 +71,13 @@ async function tick() {
   try { s = await (await fetch("/watch/status")).json(); } catch (e) { $("state").textContent = "proxy unreachable"; return; }
   $("upstream").textContent = s.upstream; $("reference").textContent = s.reference; $("state").textContent = s.reference_state;
   $("sample").textContent = s.sample; $("tolerance").textContent = s.tolerance;
+  const f = s.floor;
+  $("floor").textContent = f ? `measured at ${(f.source || {}).url || "?"} (${f.positions} positions, ${f.flips} flips): ` +
+    `max |\\u0394logprob| ${fmt(f.max_abs, 3)}, flip margin ${fmt(f.max_flip_margin, 3)}; by |logprob| ` +
+    f.bands.map((b) => `${b.band} \\u2264${fmt(b.bound, 2)}`).join(" \\u00b7 ")
+    : `none measured: constant tolerance ${s.tolerance} nats (workbench floor; watch --floor FILE)`;
+  $("inside").textContent = f ? s.totals.positions.floor : "\\u2014";
+  $("beyond").textContent = f ? s.totals.beyond_floor : "\\u2014";
   $("conformance").textContent = s.conformance === null ? "\\u2014" : (100 * s.conformance).toFixed(2) + "%";
   $("checked").textContent = s.totals.requests_checked;
   $("real").textContent = s.totals.requests_real; $("real").className = s.totals.requests_real ? "bad" : "ok";
@@ -79,7 +91,8 @@ async function tick() {
     const div = document.createElement("div");
     div.style.height = (n ? 60 * b.positions.ok / n : 0) + "px";
     if (b.requests_real) div.className = "real";
-    div.title = `${new Date(b.t * 1000).toLocaleTimeString()}: ${b.requests} requests, ${b.requests_real} real`;
+    div.title = `${new Date(b.t * 1000).toLocaleTimeString()}: ${b.requests} requests, ${b.requests_real} real` +
+      (f ? `, ${b.positions.floor} positions inside the floor` : "");
     bars.appendChild(div);
   }
   const body = $("latest").tBodies[0]; body.replaceChildren();

@@ -6,7 +6,8 @@ tests that share one engine, and for `--reference URL`, which only waits on HTTP
 as JSON: the reference's Python then never holds the proxy's interpreter lock; measured on the
 2-core machine, the added p99 per chunk with everything sampled fell from hundreds of ms to tens).
 Both offer `start()` (load; raises with the reason), `score(batch) -> list[RequestCheck]` and
-`close()`, and score through `workbench.external.check.score`: the verdicts of `workbench check`.
+`close()`, and score through `workbench.external.check.score`: the verdicts of `workbench check`
+(with a measured floor, `check --floor`'s: the process gets the floor as its JSON).
 Does not own the queue or what is done with the verdicts (checker.py).
 """
 
@@ -22,10 +23,10 @@ from workbench.trace.events import TokenChosen
 
 
 class ThreadScorer:
-    """Scores on the calling thread with the engine `factory()` returns."""
+    """Scores on the calling thread with the engine `factory()` returns (against `floor` when given)."""
 
-    def __init__(self, factory: Callable[[], Any], tolerance: float) -> None:
-        self.factory, self.tolerance, self.engine = factory, tolerance, None
+    def __init__(self, factory: Callable[[], Any], tolerance: float, floor: Any = None) -> None:
+        self.factory, self.tolerance, self.floor, self.engine = factory, tolerance, floor, None
 
     def start(self) -> None:
         self.engine = self.factory()
@@ -35,17 +36,18 @@ class ThreadScorer:
     def score(self, batch: list[Scored]) -> list[RequestCheck]:
         from workbench.external.check import score
 
-        return score(self.engine, batch, self.tolerance)
+        return score(self.engine, batch, self.tolerance, self.floor)
 
     def close(self) -> None:
         pass
 
 
 class ProcessScorer:
-    """Scores in a spawned process that loads `reference` on `device` with `threads` torch threads."""
+    """Scores in a spawned process that loads `reference` on `device` with `threads` torch threads
+    (against `floor`, a `Floor`, when given)."""
 
-    def __init__(self, reference: str, *, device: str, tolerance: float, threads: int) -> None:
-        self.args = (reference, device, tolerance, threads)
+    def __init__(self, reference: str, *, device: str, tolerance: float, threads: int, floor: Any = None) -> None:
+        self.args = (reference, device, tolerance, threads, json.dumps(floor.to_json()) if floor is not None else None)
         self.proc: Any = None
         self.conn: Any = None
 
@@ -81,14 +83,17 @@ class ProcessScorer:
             self.proc.join(5)
 
 
-def serve(conn: Any, reference: str, device: str, tolerance: float, threads: int) -> None:
+def serve(conn: Any, reference: str, device: str, tolerance: float, threads: int,
+          floor_json: str | None = None) -> None:
     """The reference process: load, say ready (or why not), then score each batch received."""
     try:
         import torch
 
         from workbench.engine.engine import Engine
         from workbench.external.check import score
+        from workbench.external.floor import floor_from_json
 
+        floor = floor_from_json(json.loads(floor_json)) if floor_json is not None else None
         if device == "cpu":
             torch.set_num_threads(threads)
         engine = Engine(reference, device=device, trace=None, trace_level="off")
@@ -102,7 +107,7 @@ def serve(conn: Any, reference: str, device: str, tolerance: float, threads: int
         except (EOFError, OSError):
             return
         try:
-            reply: dict[str, Any] = {"checks": [rc.to_row() for rc in score(engine, batch, tolerance)]}
+            reply: dict[str, Any] = {"checks": [rc.to_row() for rc in score(engine, batch, tolerance, floor)]}
         except Exception as exc:  # one bad batch: said, and the next one is scored
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         conn.send_bytes(json.dumps(reply).encode())

@@ -29,13 +29,16 @@ class Watch:
     one on the checker's thread); otherwise a process of the checker's loads `reference` on `device`; a `reference` that is a URL
     is a server teacher-forced through (vLLM's prompt logprobs), whose model's `tokenizer` (a model
     spec, default: `reference`, or smollm2 for a URL) reads the prompts and recovers token ids. `sample`: the fraction of generation requests checked.
+    `floor`: a measured noise floor (a `Floor`, or the path of its file from `workbench floor`): positions
+    are classified against it as `workbench check --floor` does, and the figures show it.
     """
 
     def __init__(self, upstream: str, *, out: str | Path = "watch-traces", sample: float = 0.1,
                  reference: str = "smollm2", tolerance: float | None = None, engine: Any = None,
                  device: str = "cpu", top: int = 5, max_bytes: int = 64 << 20, keep: int = 8,
                  check_capacity: int = 256, check_batch: int = 8, seed: int | None = None,
-                 model: str | None = None, engine_factory: Any = None, tokenizer: str | None = None) -> None:
+                 model: str | None = None, engine_factory: Any = None, tokenizer: str | None = None,
+                 floor: Any = None) -> None:
         from workbench.external.check import DEFAULT_TOLERANCE
         from workbench.external.probe import base_url
         from workbench.external.token_ids import load_reference_tokenizer
@@ -43,9 +46,15 @@ class Watch:
         tolerance = DEFAULT_TOLERANCE if tolerance is None else tolerance
         if not (isinstance(tolerance, (int, float)) and tolerance >= 0):
             raise ValueError(f"tolerance must be a number >= 0, got {tolerance!r}")
+        if floor is not None and not hasattr(floor, "bound"):
+            from workbench.external.floor import load_floor
+
+            floor = load_floor(floor)
         self.upstream = base_url(upstream)
-        self.metrics = WatchMetrics()
-        self.status = LiveStatus(upstream=self.upstream, sample=sample, tolerance=float(tolerance), reference=reference)
+        self.floor = floor
+        self.metrics = WatchMetrics(floor)
+        self.status = LiveStatus(upstream=self.upstream, sample=sample, tolerance=float(tolerance), reference=reference,
+                                 floor=floor.summary() if floor is not None else None)
 
         remote = reference.startswith(("http://", "https://"))
         scorer: Any
@@ -59,11 +68,13 @@ class Watch:
 
                 return ServerReference(reference, tokenizer or "smollm2")
 
-            scorer = ThreadScorer(factory, float(tolerance))
+            scorer = ThreadScorer(factory, float(tolerance), floor)
         else:  # the reference's Python in a process of its own, away from the proxy's interpreter lock
-            scorer = ProcessScorer(reference, device=device, tolerance=float(tolerance), threads=check_threads())
+            scorer = ProcessScorer(reference, device=device, tolerance=float(tolerance), threads=check_threads(),
+                                   floor=floor)
         self.checker = Checker(scorer, metrics=self.metrics, status=self.status, tolerance=float(tolerance),
-                               capacity=check_capacity, batch=check_batch, reference=reference)
+                               capacity=check_capacity, batch=check_batch, reference=reference,
+                               floor=floor.summary() if floor is not None else None)
         tok = load_reference_tokenizer(tokenizer or ("smollm2" if remote else reference))
         self.recorder = Recorder(out, tok, upstream=self.upstream, model=model, max_bytes=max_bytes, keep=keep,
                                  on_sampled=self.checker.submit)
