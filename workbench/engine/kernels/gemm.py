@@ -26,13 +26,13 @@ from workbench.engine.kernels.book import BOOK, Book
 from workbench.engine.kernels.native import lock, mkl
 from workbench.engine.kernels.verdict import Verdict
 
-PACKED, SPLIT, ROWDOT = "packed", "split", "rowdot"  # the three replacements of F.linear
+PACKED, SPLIT, ROWDOT, BLOCKED = "packed", "split", "rowdot", "blocked"  # the replacements of F.linear
 LINEAR = "F.linear"  # the op they replace, which the race also enters
 # where each may run (PackedLinear.route): split at 1-64 rows, packed at 16-256
 PACKED_MIN_ROWS, PACKED_MAX_ROWS, SPLIT_MAX_ROWS = 16, 256, 64
 LOAD_TIME_ROWS = (1, 16, 32)  # decode batch sizes checked before the first request (the rest on first use)
 RACE_REPEATS = 3  # timed calls per entrant (after one untimed), the best one counts
-NAMES = {PACKED: "linear.packed", SPLIT: "linear.split", ROWDOT: "linear.rowdot"}
+NAMES = {PACKED: "linear.packed", SPLIT: "linear.split", ROWDOT: "linear.rowdot", BLOCKED: "linear.blocked"}
 # The summation orders the one-row kernel can take (c/linear_rowdot.c), as (P, L, fma): the first P
 # products one by one (P = -1: up to the weight row's next 16-byte boundary, 4 on an aligned row),
 # then L lanes folded by halves, the leftover products one by one; products rounded before the sum
@@ -40,6 +40,11 @@ NAMES = {PACKED: "linear.packed", SPLIT: "linear.split", ROWDOT: "linear.rowdot"
 # the AMD EPYCs (found by probing its sums with +-2^40 pairs among ones: benchmarks/mkl_order.py).
 ROWDOT_ORDERS = ((-1, 4, False),) + tuple((p, lanes, fma) for fma in (False, True) for lanes in (4, 8, 16)
                                          for p in (-1, 0, 4, 8, 16) if (p, lanes, fma) != (-1, 4, False))
+# The blocked kernel's orders (c/linear_rows.c), as (KC, bias first): an fma chain per output in
+# blocks of KC products, the blocks added in turn; the first is MKL's at 4-64 rows on the AMD EPYCs.
+BLOCKED_ORDERS = ((192, True),) + tuple((kc, bf) for bf in (True, False) for kc in (192, 256, 128, 384, 96, 64)
+                                        if (kc, bf) != (192, True))
+BLOCKED_MIN_ROWS, BLOCKED_MAX_ROWS = 4, 64
 ROWDOT_SEARCH_ROWS = 64  # the order is searched on this many of the weight's rows, then checked on all
 
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
@@ -64,6 +69,8 @@ def linear_ok(book: Book, packed: PackedLinear, rows: int, kind: str = PACKED) -
 def _check_linear(packed: PackedLinear, rows: int, kind: str) -> Verdict:
     if kind == ROWDOT:
         return _check_rowdot(packed)
+    if kind == BLOCKED:
+        return _check_blocked(packed, rows)
     module = packed.module
     x = _probe(rows, packed.in_features)
     with torch.inference_mode():
@@ -103,6 +110,32 @@ def _check_rowdot(packed: PackedLinear) -> Verdict:
                    "bits on this CPU; F.linear is used", {"orders_tried": len(ROWDOT_ORDERS)})
 
 
+def _check_blocked(packed: PackedLinear, rows: int) -> Verdict:
+    """Find the block size and bias placement in which the blocked kernel gives F.linear's bits for
+    this layer at `rows` rows: each of BLOCKED_ORDERS on the weight's first rows, then the first that
+    matched on all of it."""
+    module = packed.module
+    x = _probe(rows, packed.in_features)
+    head = min(ROWDOT_SEARCH_ROWS, packed.out_features)
+    with torch.inference_mode():
+        want = F.linear(x, module.weight, module.bias)
+        for order in BLOCKED_ORDERS:
+            got = packed.blocked_compute(x, order, head)
+            if got is None or not torch.equal(got, want[:, :head]):
+                continue
+            got = packed.blocked_compute(x, order)
+            kc, bias_first = order
+            if torch.equal(got, want):
+                return Verdict(True, f"blocked kernel bit-identical to F.linear in the order: fma chains in blocks "
+                               f"of {kc} products{', the bias first' if bias_first else ''}",
+                               {"order": list(order), "max_abs_diff": 0.0})
+            diff = float((got - want).abs().max())
+            return Verdict(False, f"blocked kernel matched F.linear's first {head} outputs but differs by up to "
+                           f"{diff:.3g} over all of them; F.linear is used", {"order": list(order), "max_abs_diff": diff})
+    return Verdict(False, f"none of the blocked kernel's {len(BLOCKED_ORDERS)} summation orders gives F.linear's "
+                   "bits on this CPU; F.linear is used", {"orders_tried": len(BLOCKED_ORDERS)})
+
+
 def fastest(book: Book, packed: PackedLinear, rows: int, kinds: tuple[str, ...]) -> str:
     """The fastest, for `packed`'s shape at `rows` rows, of `kinds` (kernels found identical to
     F.linear) and LINEAR itself: raced on first ask (keyed also by the entrants, so a changed
@@ -120,6 +153,7 @@ def _race(packed: PackedLinear, rows: int, entrants: tuple[str, ...]) -> Verdict
     module = packed.module
     x = _probe(rows, packed.in_features)
     run = {SPLIT: packed.split_compute, PACKED: packed.compute, ROWDOT: packed.rowdot_compute,
+           BLOCKED: packed.blocked_compute,
            LINEAR: lambda x: F.linear(x, module.weight, module.bias)}
     best = dict.fromkeys(entrants, float("inf"))
     with torch.inference_mode():
@@ -160,8 +194,9 @@ class PackedLinear:
     `PACKED_MAX_ROWS` rows) or its split GEMM (1 to `SPLIT_MAX_ROWS` rows), each only at row counts
     where its check found it bit-identical to `F.linear` and the race found it fastest.
 
-    At one row a third kernel enters: the C dot product (`rowdot_compute`), in the summation order
-    its check found to give F.linear's bits for this layer on this CPU.
+    At one row the C dot product (`rowdot_compute`) enters too, and at 4-64 rows the blocked C
+    kernel (`blocked_compute`), each in the summation order its check found to give F.linear's bits
+    for this layer on this CPU.
 
     The weight is packed when first needed, not at load: on the layer's second call in that row
     range (the first one, and every call before, computes `F.linear`, which the check found
@@ -179,6 +214,7 @@ class PackedLinear:
         self.calls_in_range = 0
         self._split: tuple[int, int, torch.Tensor] | None = None  # (parts, weight pointer, weight view)
         self.rowdot_order: tuple[int, int, bool] | None = None  # the checked order (linear_ok ROWDOT sets it)
+        self.blocked_orders: dict[int, tuple[int, bool]] = {}  # rows -> the blocked kernel's checked order
         # (rows, threads) -> route(rows): the per-call memo of this layer's verdicts (the book holds them)
         self._routes: dict[tuple[int, int], str | None] = {}
 
@@ -247,6 +283,34 @@ class PackedLinear:
                                   y.data_ptr(), n, self.in_features, p, lanes, int(fma), torch.get_num_threads())
         return None if rc else y
 
+    def blocked_compute(self, x2: torch.Tensor, order: tuple[int, bool] | None = None,
+                        out_cols: int | None = None) -> torch.Tensor | None:
+        """`x2 [rows, in] -> [rows, out]` through the blocked C kernel in `order` (default: the one
+        checked for this many rows), over the weight's first `out_cols` outputs (default all),
+        unchecked (`linear_ok` checks it). None where the C kernels are unavailable."""
+        lib, module = native.load(), self._module()
+        rows = x2.shape[0]
+        order = order or self.blocked_orders.get(rows)
+        if lib is None or order is None:
+            return None
+        n = self.out_features if out_cols is None else out_cols
+        x2 = x2.contiguous()
+        weight, bias = module.weight.detach(), module.bias
+        y = torch.empty((rows, n), dtype=torch.float32)
+        kc, bias_first = order
+        rc = lib.wb_linear_rows(x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                y.data_ptr(), rows, n, self.in_features, kc, int(bias_first), torch.get_num_threads())
+        return None if rc else y
+
+    def _blocked_ok(self, rows: int) -> bool:
+        if native.load() is None:
+            return False
+        verdict = self.book.decide(NAMES[BLOCKED], _key(self, rows), lambda: _check_blocked(self, rows),
+                                   valid=lambda v: not v.ok or tuple(v.facts.get("order", ())) in BLOCKED_ORDERS)
+        if verdict.ok:
+            self.blocked_orders[rows] = tuple(verdict.facts["order"])
+        return verdict.ok
+
     def _rowdot_ok(self) -> bool:
         if native.load() is None:
             return False
@@ -267,6 +331,8 @@ class PackedLinear:
             kinds = []
             if rows == 1 and self._rowdot_ok():
                 kinds.append(ROWDOT)
+            if BLOCKED_MIN_ROWS <= rows <= BLOCKED_MAX_ROWS and self._blocked_ok(rows):
+                kinds.append(BLOCKED)
             if 1 <= rows <= SPLIT_MAX_ROWS and self.can_split() and linear_ok(self.book, self, rows, SPLIT):
                 kinds.append(SPLIT)
             if PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS and linear_ok(self.book, self, rows):
@@ -286,6 +352,8 @@ class PackedLinear:
             return torch.nn.functional.linear(x, module.weight, module.bias)  # what nn.Linear.forward does
         if kind == ROWDOT:
             return self.rowdot_compute(x.reshape(1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        if kind == BLOCKED:
+            return self.blocked_compute(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
         if kind == SPLIT:
             return self.split_compute(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
         if self.packed is None:

@@ -28,7 +28,7 @@ import torch
 from workbench.engine.kernels import switch
 from workbench.engine.kernels.store import cache_root
 
-SOURCES = [Path(__file__).parent / "c" / name for name in ("decode_attention.c", "sample_draw.c", "linear_rowdot.c", "topk.c")]
+SOURCES = [Path(__file__).parent / "c" / name for name in ("decode_attention.c", "sample_draw.c", "linear_rowdot.c", "linear_rows.c", "topk.c")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 lock = threading.Lock()
@@ -99,6 +99,9 @@ def _load_c() -> ctypes.CDLL | None:
     topk = lib.wb_topk
     topk.restype = ctypes.c_int
     topk.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    blocked = lib.wb_linear_rows
+    blocked.restype = ctypes.c_int
+    blocked.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
     rowdot = lib.wb_linear_rowdot
     rowdot.restype = ctypes.c_int
     rowdot.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]

@@ -31,9 +31,14 @@ _ALL = [
                 IDENTICAL, SHAPE_ROWS, MACHINE, GEMM, native=True,
                 note="one row (batch-1 decode); the orders are tried in turn on the layer's first 64 rows, "
                      "the first that matches is checked on all of them (the order found is in facts)"),
+    Replacement("linear.blocked", "F.linear (nn.Linear's forward) at 4-64 rows",
+                "a C GEMM in the blocked order that gives MKL's bits on this CPU (kernels/c/linear_rows.c)",
+                IDENTICAL, SHAPE_ROWS, MACHINE, GEMM, native=True,
+                note="decode batches; fma chains in blocks of KC products, tried per layer and row count on the "
+                     "first 64 outputs, the first match checked on all of them (the order found is in facts)"),
     Replacement("linear.route", "F.linear (nn.Linear's forward)",
                 "the fastest of F.linear and the kernels found identical to it (linear.packed, linear.split, "
-                "linear.rowdot)",
+                "linear.rowdot, linear.blocked)",
                 IDENTICAL, (*SHAPE_ROWS, "entrants"), MACHINE, GEMM, native=True,
                 note="every entrant is bit-identical, so the race can only change speed: timed on this "
                      "CPU, best of 3 calls each (ms in facts), the winner runs"),

@@ -1,0 +1,106 @@
+/* A linear layer at a few input rows (a decode batch), Y[r, n] = X[r, :] . W[n, :] (+ bias[n]), in
+ * the summation order of a blocked GEMM: per output, a chain of fused multiply-adds over k in blocks
+ * of KC products (each block's chain starting from zero), the blocks' sums added in turn, the bias
+ * added before the first block or after the last.
+ *
+ * Why: at 4-64 rows MKL's sgemm sums in exactly this order on the AMD EPYCs (KC 192, the bias
+ * first; found by probing, benchmarks/mkl_order.py) but at a decode batch's few rows it is far from
+ * its own rate at 256 rows. This kernel keeps the order, and so F.linear's bits (kernels/gemm.py
+ * checks it per shape, row count and thread count; the race decides whether it runs), and
+ * computes 16 rows per vector: X is transposed once per call into a [K][RP] panel (RP = rows rounded
+ * up to 16), each weight row is read once per 64 rows as broadcast scalars, and a tile of NT outputs
+ * x up to 64 rows stays in registers for a block of KC products.
+ *
+ * Built with -std=c11 -ffp-contract=off (native.py); the fma below is explicit. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+#include <immintrin.h>
+
+typedef float V16 __attribute__((vector_size(64)));
+
+static inline V16 load16(const float *p) { V16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float *p, V16 v) { memcpy(p, &v, sizeof v); }
+static inline V16 splat(float s) { return (V16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+static inline V16 fma16(V16 a, V16 b, V16 c) {
+#if defined(__AVX512F__)
+    return (V16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+    V16 o;
+    for (int l = 0; l < 16; l++) o[l] = fmaf(a[l], b[l], c[l]);
+    return o;
+#endif
+}
+
+/* Outputs [n0, n1) of Y [R][N] for G groups of 16 rows (panel columns from 16 g0),
+ * NT outputs at a time: NT x G accumulators stay in registers for a block of KC products, and each
+ * weight row is read once for all G groups. */
+#define DEFINE_TILE(G, NT)                                                                          \
+static void tile_##G(const float *panel, int64_t RP, int64_t g0, const float *W, const float *bias_first, \
+                     int64_t K, int64_t KC, float *Y, int64_t R, int64_t N, int64_t n0, int64_t n1) { \
+    for (int64_t n = n0; n < n1; n += NT) {                                                        \
+        const int64_t T = n1 - n < NT ? n1 - n : NT;                                               \
+        const float *w[NT];                                                                        \
+        for (int t = 0; t < NT; t++) w[t] = W + (n + (t < T ? t : 0)) * K;                         \
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {                                                   \
+            const int64_t k1 = k0 + KC < K ? k0 + KC : K;                                          \
+            V16 acc[NT][G];                                                                        \
+            for (int t = 0; t < NT; t++) for (int g = 0; g < G; g++) acc[t][g] = splat(0.0f);      \
+            for (int64_t k = k0; k < k1; k++) {                                                    \
+                V16 xv[G];                                                                         \
+                for (int g = 0; g < G; g++) xv[g] = load16(panel + k * RP + 16 * (g0 + g));        \
+                for (int t = 0; t < NT; t++) {                                                     \
+                    const V16 wv = splat(w[t][k]);                                                 \
+                    for (int g = 0; g < G; g++) acc[t][g] = fma16(xv[g], wv, acc[t][g]);           \
+                }                                                                                  \
+            }                                                                                      \
+            for (int t = 0; t < T; t++)                                                            \
+                for (int g = 0; g < G; g++) {                                                      \
+                    float a[16];                                                                   \
+                    store16(a, acc[t][g]);                                                         \
+                    const int64_t r0 = 16 * (g0 + g);                                              \
+                    for (int l = 0; l < 16 && r0 + l < R; l++) {                                   \
+                        float *dst = Y + (r0 + l) * N + n + t;                                     \
+                        *dst = k0 > 0 ? *dst + a[l] : bias_first ? bias_first[n + t] + a[l] : a[l]; \
+                    }                                                                              \
+                }                                                                                  \
+        }                                                                                          \
+    }                                                                                              \
+}
+DEFINE_TILE(1, 12)
+DEFINE_TILE(2, 12)
+DEFINE_TILE(3, 6)
+DEFINE_TILE(4, 5)
+
+/* Returns 0; -1 when the parameters do not fit (rows < 1, KC < 1) or memory runs out. */
+int wb_linear_rows(const float *X, const float *W, const float *bias, float *Y, int64_t R, int64_t N,
+                   int64_t K, int64_t KC, int bias_first, int num_threads) {
+    if (R < 1 || KC < 1 || N < 1 || K < 1) return -1;
+    const int64_t RP = (R + 15) / 16 * 16, groups = RP / 16;
+    float *panel = aligned_alloc(64, (size_t)(K * RP) * sizeof(float));
+    if (!panel) return -1;
+    for (int64_t k = 0; k < K; k++)
+        for (int64_t r = 0; r < RP; r++) panel[k * RP + r] = r < R ? X[r * K + k] : 0.0f;
+    const float *b0 = bias_first ? bias : NULL;
+    const int64_t step = 120; /* each thread's outputs: whole multiples of every tile's NT */
+    const int64_t chunks = (N + step - 1) / step;
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t n0 = chunks * t / nt * step, e = chunks * (t + 1) / nt * step, n1 = e < N ? e : N;
+        for (int64_t g = 0; g < groups && n0 < n1; g += 4) {
+            const int64_t left = groups - g;
+            if (left >= 4) tile_4(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
+            else if (left == 3) tile_3(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
+            else if (left == 2) tile_2(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
+            else tile_1(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
+        }
+    }
+    if (bias && !bias_first)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t n = 0; n < N; n++) Y[r * N + n] = Y[r * N + n] + bias[n];
+    free(panel);
+    return 0;
+}
