@@ -32,7 +32,7 @@ ENV = {"max_value_mb": "WORKBENCH_TRACE_MAX_VALUE_MB", "max_depth": "WORKBENCH_T
        "max_read_mb": "WORKBENCH_TRACE_MAX_READ_MB"}
 DESCRIBE = {"max_value_mb": "one stored value", "max_depth": "JSON nesting",
             "max_read_mb": "memory one read may build"}
-ROW_COST = 256  # bytes a parsed row costs beyond its values (the event object, its tuple, the dict)
+ROW_COST = 640  # bytes a parsed row may cost beyond its values (an event object with its defaults, its dict)
 VALUE_COST = 64  # bytes one parsed JSON value may cost in Python (an empty dict is 64; a small int 28)
 MB = 1 << 20
 
