@@ -13,6 +13,7 @@ that the stepping thread picks up at the start of its next step.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import time
@@ -143,8 +144,10 @@ class Engine:
             from workbench.trace.store import TraceWriter
 
             all_sinks.append(TraceWriter(path))
-        return tracing.make_tracer(level, all_sinks, lambda: tracing.run_meta(
-            self.config.to_dict(), self.loaded.identity(), self.tokenizer, level))
+        # the limits on client constraints in force (issue 36): a trace says what a refused request was over
+        return tracing.make_tracer(level, all_sinks, lambda: {**tracing.run_meta(
+            self.config.to_dict(), self.loaded.identity(), self.tokenizer, level),
+            "grammar_limits": dataclasses.asdict(self.grammars.limits)})
 
     # --- admission ---------------------------------------------------------------------------
 
