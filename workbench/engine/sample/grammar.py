@@ -2,7 +2,7 @@
 
 Owns: checking a constraint's structural limits and syntax at validation time (`check_grammar`,
 no tokenizer needed; grammar_limits.py), compiling it once per (kind, source) against the model's
-tokenizer (`GrammarBackend`, built lazily by the engine on the first constrained request): first in
+tokenizer (`GrammarBackend`, built lazily on the first constrained request, or ahead by `prestart`): first in
 a worker process under the time and memory budget (grammar_worker.py), then, once that worker said
 it fits, in this process, kept in a cache bounded in bytes (least recently used dropped), the per-request matcher (`GrammarState`, stored
 in `Req.grammar`), the per-batch token bitmask (`grammar_bitmask`, filled and applied on the CPU)

@@ -1,7 +1,8 @@
 """The grammar worker: a child process that tries a constraint's compile under a time and memory budget.
 
 Owns: `GrammarWorkers`, the parent's pool of child processes (`python -m
-workbench.engine.sample.grammar_worker`, started on the first constrained request) and their
+workbench.engine.sample.grammar_worker`, started by `prestart` as a server starts, else on the first
+constrained request) and their
 verdicts. A constraint is first compiled in a worker, against the engine's tokenizer (sent to the
 child once, serialised), with `jsonschema`'s check of a JSON schema before it. The parent waits at
 most `compile_timeout` seconds and kills the worker past it, or once the worker's resident memory
