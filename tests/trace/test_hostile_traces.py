@@ -230,3 +230,15 @@ async def test_the_tui_keeps_running_and_names_the_limit(name: str, crafted: Cal
     else:
         assert not any("corrupt" in s or "limit" in s for s in seen), seen[-3:]
         assert "…" in screen_text  # the long text is shown cut, not laid out whole
+
+
+@pytest.mark.parametrize("name", ["300,000 token events of one request", "a 10 MB payload", "engine meta nested 100,000 deep",
+                                  "a payload nested 100,000 deep"])
+def test_export_and_diff_refuse_a_hostile_trace_by_its_limit(name: str, crafted: Callable[[str], Path], recorded: Path,
+                                                            tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    for var, value in LIMITS_ENV.items():
+        monkeypatch.setenv(var, value)
+    path = crafted(name)
+    _one_error_line(capsys, path, HOSTILE[name][1], "export", str(path), "--tokens", str(tmp_path / "t.csv"))
+    _one_error_line(capsys, path, HOSTILE[name][1], "diff", str(recorded), str(path))
