@@ -7,7 +7,9 @@ Categories (each case passes or is listed as a failure with what happened):
 - traversal on /debug/traces/{id}: 404/400, never a file's contents;
 - auth (a server with --api-key): the key only in `Authorization`, never in a URL or a cookie alone;
 - broken traces: every kind of damage through every reader method, diff and export: success or one
-  TraceError line naming the file, never another exception;
+  TraceError line naming the file, never another exception; and the hostile traces of issue 36
+  (tests/helpers/hostile_traces.py: huge values, a million rows, JSON nested 100,000 deep, long
+  strings), read or refused by the name of the limit they are over;
 - hostile structured output (issue 36), against a real `workbench serve` process: the issue's six
   requests and a few hundred neighbours (schema size, depth, fan-out, references, pattern features,
   quantifier bounds), each a 400 naming the parameter or a correct 200 within its budget, and after
@@ -15,7 +17,7 @@ Categories (each case passes or is listed as a failure with what happened):
   status, time, server RSS growth, next request unaffected. `--fresh-six` also sends each of the six
   alone to a fresh server.
 
-    python benchmarks/hardening_sweep.py [--json out.json] [--only structured] [--fresh-six]
+    python benchmarks/hardening_sweep.py [--json out.json] [--only structured|traces] [--fresh-six]
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.helpers.hostile_cases import SIX, nested, pattern, props, schema, variants  # noqa: E402
+from tests.helpers.hostile_traces import HOSTILE, LIMITS_ENV  # noqa: E402  (crafted to cost memory or time)
 from tests.helpers.trace_damage import DAMAGES  # noqa: E402  (the one catalogue, shared with the tests)
 
 MODEL = "tiny-random"
@@ -221,7 +224,7 @@ def slow_subscribers(url: str, count: int = 100) -> dict:
 
 def _readers() -> dict[str, Callable]:
     return {"steps": lambda t: t.steps(), "step(n)": lambda t: [t.step(s.step) for s in t.steps()],
-            "events": lambda t: list(t.events()), "requests": lambda t: t.requests(),
+            "events": lambda t: sum(1 for _ in t.events()), "requests": lambda t: t.requests(),
             "timeline": lambda t: [t.timeline(r.req_id) for r in t.requests()],
             "steps_frame": lambda t: t.steps_frame(), "tokens_frame": lambda t: t.tokens_frame(),
             "events_frame": lambda t: t.events_frame(), "tensors": lambda t: [t.tensor(n) for n in t.tensor_names()],
@@ -229,40 +232,63 @@ def _readers() -> dict[str, Callable]:
 
 
 def sweep_traces(good: Path, work: Path, res: Results) -> None:
+    """Damaged traces (any one-line TraceError will do) and hostile ones (issue 36: read, or refused by
+    the name of the limit they are over, under the small limits of LIMITS_ENV)."""
+    import os
+
+    cases = [(kind, damage, None, False) for kind, damage in DAMAGES.items()]
+    cases += [(f"hostile: {kind}", craft, limit, True) for kind, (craft, limit) in HOSTILE.items()]
+    saved = {var: os.environ.get(var) for var in LIMITS_ENV}
+    for kind, damage, limit, hostile in cases:
+        os.environ.update(LIMITS_ENV if hostile else {})
+        try:
+            _sweep_trace(good, work, res, kind, damage, limit)
+        finally:
+            for var, value in saved.items():
+                if value is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = value
+
+
+def _sweep_trace(good: Path, work: Path, res: Results, kind: str, damage: Callable, limit: str | None) -> None:
     from workbench.cli import main as cli_main
     from workbench.trace.reader import TraceError, open_trace
 
-    for kind, damage in DAMAGES.items():
-        path = work / (kind.replace(" ", "-").replace("(", "").replace(")", "") + ".wbtrace")
-        shutil.copy(good, path)
-        damage(path)
-        try:
-            trace = open_trace(path)
-        except Exception as exc:
-            ok = isinstance(exc, TraceError) and str(exc).startswith(path.name) and "\n" not in str(exc)
-            res["broken traces"].append((f"{kind}: open", ok, f"{type(exc).__name__}: {exc}"[:120]))
-            continue
-        with trace:
-            for name, read in _readers().items():
-                try:
-                    read(trace)
-                    ok, note = True, "read"
-                except Exception as exc:
-                    ok = isinstance(exc, TraceError) and str(exc).startswith(path.name) and "\n" not in str(exc)
-                    note = f"{type(exc).__name__}: {exc}"[:120]
-                res["broken traces"].append((f"{kind}: {name}", ok, note))
-        for argv in (["diff", str(good), str(path)], ["export", str(path), "--perfetto", str(work / "p.json"),
-                                                       "--tokens", str(work / "t.csv")]):
-            err = io.StringIO()
+    def clear(exc: Exception) -> bool:
+        text = str(exc)
+        return isinstance(exc, TraceError) and text.startswith(path.name) and "\n" not in text and \
+            (limit is None or limit in text)
+
+    path = work / (kind.replace(" ", "-").replace("(", "").replace(")", "").replace(":", "").replace(",", "")
+                   + ".wbtrace")
+    shutil.copy(good, path)
+    damage(path)
+    try:
+        trace = open_trace(path)
+    except Exception as exc:
+        res["broken traces"].append((f"{kind}: open", clear(exc), f"{type(exc).__name__}: {exc}"[:120]))
+        return
+    with trace:
+        for name, read in _readers().items():
             try:
-                with redirect_stderr(err), redirect_stdout(io.StringIO()):
-                    code = cli_main(argv)
-                text = err.getvalue().strip()
-                ok = code in (0, 1) or (code == 2 and len(text.splitlines()) == 1 and path.name in text)
-                note = f"exit {code}: {text[:100]}"
+                read(trace)
+                ok, note = True, "read"
             except Exception as exc:
-                ok, note = False, f"{type(exc).__name__}: {exc}"[:120]
-            res["broken traces"].append((f"{kind}: workbench {argv[0]}", ok, note))
+                ok, note = clear(exc), f"{type(exc).__name__}: {exc}"[:120]
+            res["broken traces"].append((f"{kind}: {name}", ok, note))
+    for argv in (["diff", str(good), str(path)], ["export", str(path), "--perfetto", str(work / "p.json"),
+                                                   "--tokens", str(work / "t.csv")]):
+        err = io.StringIO()
+        try:
+            with redirect_stderr(err), redirect_stdout(io.StringIO()):
+                code = cli_main(argv)
+            text = err.getvalue().strip()
+            ok = code in (0, 1) or (code == 2 and len(text.splitlines()) == 1 and path.name in text)
+            note = f"exit {code}: {text[:100]}"
+        except Exception as exc:
+            ok, note = False, f"{type(exc).__name__}: {exc}"[:120]
+        res["broken traces"].append((f"{kind}: workbench {argv[0]}", ok, note))
 
 
 # --- hostile structured output (issue 36) ---------------------------------------------------------
@@ -360,14 +386,30 @@ def print_structured(rows: list[tuple]) -> None:
         print(f"{name[:48]:48s} {status:6d} {elapsed:7.2f} {grown:8.1f}  {'yes' if unaffected else 'NO'}")
 
 
+def _traces_only(res: Results, json_path: str | None) -> int:
+    from workbench.engine.engine import Engine
+    from workbench.engine.sample.sampling_params import SamplingParams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        good = root / "good.wbtrace"
+        with Engine(MODEL, trace=str(good), trace_level="summary") as engine:
+            engine.generate(["one", "two two", "three three three"],
+                            SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True, logprobs=True))
+        sweep_traces(good, root, res)
+    return _report(res, json_path, None)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--only", choices=("structured",), default=None, help="run one category only")
+    parser.add_argument("--only", choices=("structured", "traces"), default=None, help="run one category only")
     parser.add_argument("--fresh-six", action="store_true", help="also send the issue's six to fresh servers")
     args = parser.parse_args()
     res: Results = defaultdict(list)
     rows: list[tuple] = []
+    if args.only == "traces":
+        return _traces_only(res, args.json)
     sweep_structured(res, rows, args.fresh_six)
     print_structured(rows)
     if args.only == "structured":

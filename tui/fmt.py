@@ -41,10 +41,12 @@ def quote(text: str | None, limit: int = 40, middle: bool = False) -> str:
     return out[: limit - 2] + "…\""
 
 
-def visible(text: str) -> str:
-    """Text for inline display: control characters shown as escapes, a newline as ↵."""
+def visible(text: str, limit: int | None = None) -> str:
+    """Text for inline display: control characters shown as escapes, a newline as ↵; with `limit`,
+    only the first `limit` characters, then "…" (a trace's strings are untrusted: one may be huge)."""
+    cut = limit is not None and len(text) > limit
     out = []
-    for ch in text:
+    for ch in text[:limit] if cut else text:
         if ch == "\n":
             out.append("↵")
         elif ch == "\t":
@@ -53,7 +55,7 @@ def visible(text: str) -> str:
             out.append(f"\\x{ord(ch):02x}")
         else:
             out.append(ch)
-    return "".join(out)
+    return "".join(out) + ("…" if cut else "")
 
 
 def id_ranges(values: Sequence[int], limit: int = 6) -> str:

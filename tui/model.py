@@ -1,7 +1,8 @@
 """The TUI's window onto a trace: asks the source only for what is on screen, and caches it.
 
 Owns: `TraceModel` over a `workbench.trace.live.TraceView` (a trace file, or the live trace
-`tui.live.LiveTrace`): small LRU caches of step views and request outputs, the vocabulary,
+`tui.live.LiveTrace`): small LRU caches of step views and request outputs (bounded in count, and
+for a file in the memory its reads built: together at most one read's limit, `ReadLimits`), the vocabulary,
 invalidation when a live trace grows; and `open_source`. Called from worker threads;
 never touches a widget. Does not own parsing files (the reader) or drawing (the widgets).
 """
@@ -26,6 +27,7 @@ from workbench.trace.reader import RequestInfo, StepInfo, TraceError, open_trace
 
 _STEP_CACHE = 64
 _REQ_CACHE = 32
+_MB = 1 << 20
 
 
 def open_source(path: str) -> TraceView:
@@ -42,6 +44,9 @@ class TraceModel:
         self._lock = threading.RLock()
         self._views: OrderedDict[int, StepView] = OrderedDict()
         self._reqs: OrderedDict[str, RequestData] = OrderedDict()
+        self._costs: dict[tuple[str, Any], int] = {}  # the memory each cached entry's read built
+        limits = getattr(source, "limits", None)  # a trace file's ReadLimits; a live trace bounds itself
+        self._max_cost = int(limits.max_read_mb * _MB) if limits is not None else None
         self._requests: list[RequestInfo] | None = None
         self.problem: str | None = None  # the last damage found while reading (one line, for the status line)
         self._checks: dict[str, dict[str, Any]] | None = None
@@ -80,21 +85,30 @@ class TraceModel:
         """The stored reference check, by request (read once; {} when the trace was never checked)."""
         with self._lock:
             if self._checks is None:
-                self._checks = read_checks(self.source)
+                try:
+                    self._checks = read_checks(self.source)
+                except TraceError as exc:  # over a read limit: show the trace without its check
+                    self.problem, self._checks = str(exc), {}
             return self._checks
 
     def invariance(self) -> tuple[dict[str, Any] | None, dict[str, dict[str, Any]]]:
         """The stored batch-invariance run: (summary, rows by request); (None, {}) when never measured."""
         with self._lock:
             if self._invariance is None:
-                self._invariance = read_invariance(self.source)
+                try:
+                    self._invariance = read_invariance(self.source)
+                except TraceError as exc:
+                    self.problem, self._invariance = str(exc), (None, {})
             return self._invariance
 
     def bisects(self) -> list[dict[str, Any]]:
         """The stored `workbench bisect` rows (read once; [] when never bisected)."""
         with self._lock:
             if self._bisects is None:
-                self._bisects = read_bisects(self.source)
+                try:
+                    self._bisects = read_bisects(self.source)
+                except TraceError as exc:
+                    self.problem, self._bisects = str(exc), []
             return self._bisects
 
     def steps(self) -> list[StepInfo]:
@@ -108,14 +122,15 @@ class TraceModel:
             if view is not None:
                 self._views.move_to_end(step)
                 return view
+            budget = self._budget(f"step {step}'s events")
             try:
-                events = self.source.step(step)
-            except TraceError as exc:  # a damaged step: show it empty, say why, keep running
+                events = self.source.step(step, budget=budget) if budget is not None else self.source.step(step)
+            except TraceError as exc:  # a damaged step, or one over a read limit: show it empty, say why
                 self.problem, events = str(exc), []
             self.vocab.learn(events)
             view = StepView.build(step, info, events)
             self._load_inside(view)
-            _remember(self._views, step, view, _STEP_CACHE)
+            self._remember(self._views, "step", step, view, _STEP_CACHE, budget)
             return view
 
     def _load_inside(self, view: StepView) -> None:
@@ -140,16 +155,37 @@ class TraceModel:
             if data is not None:
                 self._reqs.move_to_end(req_id)
                 return data
-            events = self._readable(self.source.events(kind=["request.added", "token", "request.finished"],
-                                                       req_id=req_id))
+            kinds = ["request.added", "token", "request.finished"]
+            budget = self._budget(f"request {req_id[:60]!r}'s events")
+            events = self._readable(self.source.events(kind=kinds, req_id=req_id, budget=budget) if budget is not None
+                                    else self.source.events(kind=kinds, req_id=req_id))
             self.vocab.learn(events)
             data = RequestData.build(req_id, events)
             data.check = self.checks().get(req_id)
             summary, rows = self.invariance()
             data.invariance = rows.get(req_id, {} if summary is not None else None)
             data.bisects = request_bisects(self.bisects(), req_id)
-            _remember(self._reqs, req_id, data, _REQ_CACHE)
+            self._remember(self._reqs, "request", req_id, data, _REQ_CACHE, budget)
             return data
+
+    def _budget(self, what: str) -> Any:
+        """A read budget from a trace file (None for a live trace, whose memory bounds itself)."""
+        make = getattr(self.source, "budget", None)
+        return make(what) if make is not None and self._max_cost is not None else None
+
+    def _remember(self, cache: OrderedDict, kind: str, key: Any, value: Any, size: int, budget: Any) -> None:
+        """Cache one entry; drop the least recently used past `size` entries or, for a file, once the
+        entries of both caches together built more than one read's memory limit (the newest is kept)."""
+        cache[key] = value
+        cache.move_to_end(key)
+        self._costs[(kind, key)] = budget.used if budget is not None else 0
+        while len(cache) > size:
+            self._costs.pop((kind, cache.popitem(last=False)[0]), None)
+        if self._max_cost is None:
+            return
+        for other_kind, other in (("step", self._views), ("request", self._reqs)):
+            while sum(self._costs.values()) > self._max_cost and len(other) > (1 if other is cache else 0):
+                self._costs.pop((other_kind, other.popitem(last=False)[0]), None)
 
     def requests(self) -> list[RequestInfo]:
         """Every request (read once, on first use: a filter or a search needs them)."""
@@ -189,16 +225,10 @@ class TraceModel:
         """Forget cached data that new events may have changed (all of it when not told what)."""
         with self._lock:
             self._requests = self._checks = self._invariance = self._bisects = None
-            if steps is None:
-                self._views.clear()
-            else:
-                for s in steps:
-                    self._views.pop(s, None)
-            if req_ids is None:
-                self._reqs.clear()
-            else:
-                for r in req_ids:
-                    self._reqs.pop(r, None)
+            for kind, cache, keys in (("step", self._views, steps), ("request", self._reqs, req_ids)):
+                for key in list(cache) if keys is None else keys:
+                    cache.pop(key, None)
+                    self._costs.pop((kind, key), None)
 
     def load_vocab(self, tokenizer_path: str | None = None) -> bool:
         """Load the trace's (or the given) tokenizer; True when ids can now be decoded."""
@@ -210,12 +240,6 @@ class TraceModel:
 
     def close(self) -> None:
         self.source.close()
-
-
-def _remember(cache: OrderedDict, key: Any, value: Any, size: int) -> None:
-    cache[key] = value
-    while len(cache) > size:
-        cache.popitem(last=False)
 
 
 __all__ = ["TraceModel", "TraceView", "TraceError", "open_source"]

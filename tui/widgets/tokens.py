@@ -31,6 +31,7 @@ from tui.widgets.reference import (
 from workbench.trace.events import TokenChosen
 
 FUTURE_STYLE = "grey50"
+CHIP_CHARS = 256  # a token longer than this (no vocabulary has one) is cut on its chip
 
 
 def prompt_text(data: RequestData, limit: int = 160) -> Text:
@@ -41,7 +42,7 @@ def prompt_text(data: RequestData, limit: int = 160) -> Text:
     if isinstance(prompt, list):  # a chat: show the last message
         last = prompt[-1] if prompt and isinstance(prompt[-1], dict) else {}
         prompt = f"[{last.get('role', '?')}] {last.get('content', '')}"
-    shown = visible(str(prompt))
+    shown = visible(str(prompt), limit)  # cut first: a hostile prompt may be megabytes
     shown = shown if len(shown) <= limit else shown[: limit - 1] + "…"
     return Text.assemble(("prompt ", "bold"), (shown, "italic"), (f"  ({len(added.prompt_ids)} tokens)", "dim"))
 
@@ -62,7 +63,7 @@ def chips(data: RequestData, step: int | None, selected: int | None, hit_positio
         marked = chip_style(data, tok.position) if not future else None
         if marked:
             style += " " + marked
-        out.append(visible(tok.text) or "∅", style)
+        out.append(visible(tok.text, CHIP_CHARS) or "∅", style)
         if "\n" in tok.text:
             out.append("\n")
     return out

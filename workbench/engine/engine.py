@@ -13,6 +13,7 @@ that the stepping thread picks up at the start of its next step.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import time
@@ -41,6 +42,7 @@ from workbench.engine.run.forward_batch import ForwardBatch, ForwardMode, build_
 from workbench.engine.run.model_runner import ModelRunner
 from workbench.engine.sample.grammar import GrammarBackend
 from workbench.engine.sample.logprobs import store_prompt_logprobs
+from workbench.engine.sample.penalties import bias_tensors
 from workbench.engine.sample.sampler import Sampler, SamplingBatchInfo
 from workbench.engine.sample.sampling_params import SamplingParams
 from workbench.engine.sched.batch import PrefillChunk, Released, ScheduleBatch
@@ -143,8 +145,10 @@ class Engine:
             from workbench.trace.store import TraceWriter
 
             all_sinks.append(TraceWriter(path))
-        return tracing.make_tracer(level, all_sinks, lambda: tracing.run_meta(
-            self.config.to_dict(), self.loaded.identity(), self.tokenizer, level))
+        # the limits on client constraints in force (issue 36): a trace says what a refused request was over
+        return tracing.make_tracer(level, all_sinks, lambda: {**tracing.run_meta(
+            self.config.to_dict(), self.loaded.identity(), self.tokenizer, level),
+            "grammar_limits": dataclasses.asdict(self.grammars.limits)})
 
     # --- admission ---------------------------------------------------------------------------
 
@@ -178,6 +182,8 @@ class Engine:
                       share_prefix_from=first, arrival_time=arrival, timing=ReqTiming(arrival))
             first = first or req  # siblings copy the first one's prompt KV instead of recomputing it
             req.grammar = self.grammars.new_state(params)
+            if params.logit_bias:  # its tensors now, on the caller's thread, not per step on the engine's
+                req.bias = bias_tensors(params.logit_bias) if first is req else first.bias
             self.outputs.init_request(req)
             self.reqs[rid] = req
         tokenized = time.perf_counter()

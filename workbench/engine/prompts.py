@@ -48,6 +48,9 @@ def check_prompt_chars(prompt: Any, max_context_len: int, token_chars: int) -> N
     if isinstance(prompt, str):
         size, name = len(prompt), "prompt"
     elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        if len(prompt) > max_context_len:  # a chat template renders each message to a token at least
+            raise ValueError(f"messages: {len(prompt)} messages cannot fit in the model's context length of "
+                             f"{max_context_len} tokens (at most {max_context_len} messages)")
         size, name = sum(len(m["content"]) for m in prompt if isinstance(m.get("content"), str)), "messages"
     else:
         return

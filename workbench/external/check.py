@@ -117,7 +117,8 @@ def check_trace(path: str | Path, reference: str = "smollm2", *, tolerance: floa
 def recorded_scored(trace: Any) -> list[Scored]:
     """Each request's prompt ids and tokens (latest per position), in arrival order."""
     tokens: dict[str, dict[int, TokenChosen]] = {}
-    for event in trace.events(kind="token"):
+    budget = trace.budget("the recorded tokens") if hasattr(trace, "budget") else None
+    for event in trace.events(kind="token", budget=budget) if budget is not None else trace.events(kind="token"):
         if event.req_id is not None:
             tokens.setdefault(event.req_id, {})[event.position] = event
     out = []

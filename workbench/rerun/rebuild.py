@@ -27,7 +27,7 @@ def parse_value(raw: str) -> Any:
 
 def recorded_requests(trace: Trace) -> list[dict[str, Any]]:
     out = []
-    for e in trace.events(kind="request.added"):
+    for e in trace.events(kind="request.added", budget=trace.budget("the recorded requests")):
         out.append({"req_id": e.req_id, "step": e.step, "prompt_ids": e.prompt_ids, "params": dict(e.params),
                     "parent_id": e.parent_id})
     return out

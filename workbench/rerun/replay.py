@@ -280,8 +280,9 @@ def replay(path: str, *, overrides: list[str] | None = None, tolerance: float = 
         compared = tokens = 0
         max_delta, first = 0.0, None
         recorded_all: list[ev.Event] = []
+        kept = trace.budget("the recorded events replay compares")  # bounded over the whole run, not per step
         for step, replayed in run_recorded(engine, sink, requests):
-            recorded = [e for e in trace.step(step) if e.kind != "request.added"]
+            recorded = [e for e in trace.step(step, budget=kept) if e.kind != "request.added"]
             recorded_all += recorded
             if first is None:
                 first, n, delta = compare_step(step, recorded, replayed, tolerance)
@@ -291,7 +292,7 @@ def replay(path: str, *, overrides: list[str] | None = None, tolerance: float = 
                 break  # nothing more to learn, nothing to save
         if first is None and engine.step_no != num_steps:
             first = Divergence(engine.step_no, None, "steps", "num_steps", num_steps, engine.step_no)
-        recorded_all += [e for s in range(engine.step_no + 1, num_steps + 1) for e in trace.step(s)]
+        recorded_all += [e for s in range(engine.step_no + 1, num_steps + 1) for e in trace.step(s, budget=kept)]
         replayed_all = list(sink.events)
         bar.close()
         engine.close()

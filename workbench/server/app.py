@@ -41,7 +41,8 @@ def create_app(engine: EngineAPI, *, model_name: str | None = None, hub: EventHu
                trace_dir: str | Path | None = None, trace_writer: Any = None, api_key: str | None = None,
                max_body_bytes: int = 4 << 20, default_max_tokens: int = 1024, close_engine: bool = False,
                stream_limits: StreamLimits | None = None, admission: AdmissionLimits | None = None,
-               allowed_hosts: Sequence[str] = LOOPBACK_HOSTS, max_headers: int = 100) -> FastAPI:
+               allowed_hosts: Sequence[str] = LOOPBACK_HOSTS, max_headers: int = 100,
+               grammar_prestart: bool = False) -> FastAPI:
     """An OpenAI-compatible app over `engine`; the engine thread runs while the app is served.
 
     `stream_limits` bounds what one request may hold for a client that reads slowly (bytes) and how
@@ -49,6 +50,10 @@ def create_app(engine: EngineAPI, *, model_name: str | None = None, hub: EventHu
 
     With `close_engine`, shutting the app down also closes the engine (its trace files are
     finished), for a caller that hands the engine over, as `workbench serve` does.
+
+    With `grammar_prestart` (`workbench serve`'s default), structured output is made ready as the
+    app starts, in the background: xgrammar imported and the grammar worker process started
+    (`GrammarBackend.prestart`), so the first constrained request does not wait for them.
 
     Build the engine with `trace_sinks=[hub, ...]` so a long-running server keeps no events in
     memory; an engine with a `MemorySink` works but keeps every event (logged as a warning).
@@ -75,6 +80,8 @@ def create_app(engine: EngineAPI, *, model_name: str | None = None, hub: EventHu
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.loop.start()
+        if grammar_prestart:
+            engine.grammars.prestart()
         try:
             yield
         finally:

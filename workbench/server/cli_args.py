@@ -96,6 +96,9 @@ def add_grammar_args(parser: argparse.ArgumentParser) -> None:
                    help=f"grammar worker processes compiling at once (default: {d.workers})")
     g.add_argument("--grammar-cache-mb", type=int, default=d.cache_mb, metavar="MB",
                    help=f"compiled grammars kept in the server (default: {d.cache_mb})")
+    g.add_argument("--grammar-prestart", action=argparse.BooleanOptionalAction, default=True,
+                   help="start the grammar worker and import xgrammar when the server starts, so the first "
+                        "constrained request does not wait seconds for it (default: on)")
 
 
 def grammar_limits(args: argparse.Namespace) -> Any:
@@ -247,7 +250,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
                      trace_writer=writer, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      default_max_tokens=args.default_max_tokens, close_engine=True, stream_limits=limits,
                      admission=admission.limits, allowed_hosts=admission.hosts,
-                     max_headers=admission.max_headers)
+                     max_headers=admission.max_headers, grammar_prestart=getattr(args, "grammar_prestart", True))
     app.state.workbench.extra["tool_call_parser"] = getattr(args, "tool_call_parser", "hermes")
     return engine, app
 

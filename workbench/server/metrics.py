@@ -148,14 +148,14 @@ class Metrics:
             self.http_errors[status] = self.http_errors.get(status, 0) + 1
 
     def render(self, stats: Any, dropped_events: int, step_failures: int, *, model_name: str = "workbench",
-               openmetrics: bool = False) -> str:
+               openmetrics: bool = False, grammar: dict[str, Any] | None = None) -> str:
         """The whole exposition (`stats` is an `EngineStats` snapshot), through prometheus_client: the
         Prometheus text format, or OpenMetrics when the scraper asks for it."""
         from prometheus_client import CollectorRegistry, exposition
         from prometheus_client.openmetrics import exposition as om
 
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Snapshot(self, stats, dropped_events, step_failures, model_name))
+        registry.register(_Snapshot(self, stats, dropped_events, step_failures, model_name, grammar))
         return (om.generate_latest(registry) if openmetrics else exposition.generate_latest(registry)).decode()
 
     def families(self, stats: Any, dropped_events: int, step_failures: int, model_name: str) -> list[Any]:
@@ -241,9 +241,34 @@ def _vllm_families(m: Metrics, stats: Any, kv_ratio: float, prompt: int, generat
 class _Snapshot:
     """A prometheus_client collector over one scrape's values."""
 
-    def __init__(self, metrics: Metrics, stats: Any, dropped: int, failures: int, model_name: str) -> None:
+    def __init__(self, metrics: Metrics, stats: Any, dropped: int, failures: int, model_name: str,
+                 grammar: dict[str, Any] | None = None) -> None:
         self.args = (metrics, stats, dropped, failures, model_name)
+        self.grammar = grammar
 
     def collect(self) -> Any:
         metrics, *rest = self.args
         yield from metrics.families(*rest)
+        if self.grammar is not None:
+            yield from grammar_families(self.grammar)
+
+
+def grammar_families(status: dict[str, Any]) -> list[Any]:
+    """Structured output's state (`GrammarBackend.status()`): worker processes started and when the
+    newest became ready (0 until one did), and compiles by kind, in the worker and in this process."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    started = CounterMetricFamily(f"{PREFIX}_grammar_workers_started", "Grammar worker processes started.",
+                                  value=status.get("workers_started", 0))
+    ready = GaugeMetricFamily(f"{PREFIX}_grammar_worker_ready_time_seconds",
+                              "Unix time the newest grammar worker became ready (0: none yet).",
+                              value=status.get("worker_ready_at") or 0.0)
+    compiler = GaugeMetricFamily(f"{PREFIX}_grammar_compiler_ready_time_seconds",
+                                 "Unix time xgrammar and the tokenizer's info were ready in the server (0: not yet).",
+                                 value=status.get("compiler_ready_at") or 0.0)
+    compiles = CounterMetricFamily(f"{PREFIX}_grammar_compiles", "Constraints compiled, by where and kind.",
+                                   labels=["where", "kind"])
+    for where, key in (("worker", "worker_runs"), ("server", "compiles")):
+        for kind, n in sorted((status.get(key) or {}).items()):
+            compiles.add_metric([where, kind], n)
+    return [started, ready, compiler, compiles]

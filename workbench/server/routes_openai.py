@@ -84,6 +84,7 @@ async def metrics(request: Request) -> PlainTextResponse:
     state = _state(request)
     openmetrics = "application/openmetrics-text" in request.headers.get("accept", "")
     text = state.metrics.render(state.loop.stats, state.hub.dropped_total, state.loop.failures,
-                                model_name=state.model_name, openmetrics=openmetrics)
+                                model_name=state.model_name, openmetrics=openmetrics,
+                                grammar=state.engine.grammars.status())
     return PlainTextResponse(text, media_type="application/openmetrics-text; version=1.0.0; charset=utf-8"
                              if openmetrics else "text/plain; version=0.0.4; charset=utf-8")

@@ -140,8 +140,8 @@ def parse_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int
     if bias is None:
         return None
     if len(bias) > vocab_size:  # before the loop: a 4 MB body holds ~300,000 entries
-        raise bad_request(f"logit_bias has {len(bias)} entries, more than the vocabulary's {vocab_size} tokens",
-                          "logit_bias")
+        raise bad_request(f"logit_bias has {len(bias)} entries, more than the vocabulary's {vocab_size} tokens "
+                          f"(at most one entry per token: {vocab_size})", "logit_bias")
     out = {}
     for key, value in bias.items():
         if not re.fullmatch(r"-?\d{1,12}", key):

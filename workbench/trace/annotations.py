@@ -10,7 +10,6 @@ way. Older readers ignore the tables, so the schema version is unchanged. Standa
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sqlite3
 import urllib.parse
@@ -18,6 +17,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from workbench.trace.format import file_problem, json_dumps
+from workbench.trace.limits import LimitError, ReadBudget, ReadLimits, parse_json
+from workbench.trace.records import TraceError
 
 
 @contextlib.contextmanager
@@ -59,33 +60,43 @@ def upsert_rows(path: str | os.PathLike[str], table: str, meta_key: str, summary
 
 def read_rows(source: Any, table: str, meta_key: str) -> tuple[dict[str, Any] | None, dict[str, dict[str, Any]]]:
     """(summary, `{req_id: row}`) of a stored result (`source`: a path or an open `Trace`); (None, {})
-    if there is none. Rows that are not objects with a `positions` list are skipped."""
+    if there is none. Rows that are not objects with a `positions` list are skipped. The read obeys
+    the trace's `ReadLimits` (an open Trace's, else the environment's): past one, a TraceError names it."""
     path = source if isinstance(source, (str, os.PathLike)) else getattr(source, "path", None)
     if path is None or not os.path.isfile(path):
         return None, {}
+    limits = getattr(source, "limits", None) or ReadLimits.from_env()
+    name = os.path.basename(os.fspath(path))
     uri = "file:" + urllib.parse.quote(os.path.abspath(os.fspath(path))) + "?mode=ro"
     try:
         conn = sqlite3.connect(uri, uri=True)
     except sqlite3.Error:
         return None, {}
+    conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, limits.max_value_bytes)
+    budget = ReadBudget(limits, f"the {table} table")
+    out: dict[str, dict[str, Any]] = {}
     try:
-        rows = conn.execute(f"SELECT req_id, payload FROM {table}").fetchall()
         meta = conn.execute("SELECT value FROM meta WHERE key = ?", (meta_key,)).fetchone()
+        for req_id, payload in conn.execute(f"SELECT req_id, payload FROM {table}"):
+            budget.charge_json(payload)
+            value = _json(payload, limits)
+            if isinstance(value, dict) and isinstance(value.get("positions"), list):
+                out[str(req_id)] = value
+        summary = _json(meta[0], limits) if meta else None
+    except LimitError as exc:
+        raise TraceError(f"{name}: {exc}") from None
+    except sqlite3.DataError as exc:  # a value over max_value_mb ("string or blob too big")
+        raise TraceError(f"{name}: {limits.message('max_value_mb', f'a value of the {table} table')}"
+                         if "too big" in str(exc) else f"{name}: corrupt {table} table ({exc})") from None
     except sqlite3.Error:  # no table: never stored
         return None, {}
     finally:
         conn.close()
-    out: dict[str, dict[str, Any]] = {}
-    for req_id, payload in rows:
-        value = _json(payload)
-        if isinstance(value, dict) and isinstance(value.get("positions"), list):
-            out[str(req_id)] = value
-    summary = _json(meta[0]) if meta else None
     return (summary if isinstance(summary, dict) else {}), out
 
 
-def _json(text: Any) -> Any:
+def _json(text: Any, limits: ReadLimits) -> Any:
     try:
-        return json.loads(text)
-    except (TypeError, ValueError):
+        return parse_json(text, limits, "a stored result")
+    except (TypeError, ValueError):  # LimitError too: a malformed row is skipped, as any other
         return None

@@ -160,7 +160,8 @@ class DiffReport:
 
 def _tokens_by_request(trace: Trace) -> dict[str, list[Any]]:
     out: dict[str, list[Any]] = {}
-    for e in trace.events(kind="token"):
+    budget = trace.budget("the token events a diff lines up") if hasattr(trace, "budget") else None
+    for e in trace.events(kind="token", budget=budget) if budget is not None else trace.events(kind="token"):
         out.setdefault(e.req_id, []).append(e)
     for toks in out.values():
         toks.sort(key=lambda e: e.position)

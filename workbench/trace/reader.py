@@ -1,7 +1,7 @@
 """Reading `.wbtrace` files: `open_trace(path) -> Trace`.
 
-Owns: validating an untrusted file (every failure is one `TraceError` with a one-line message),
-lazy access to steps, events, requests, timelines, tensors and pandas frames, and following a file
+Owns: validating an untrusted file (every failure is one `TraceError` with a one-line message;
+what a read may cost is bounded by `ReadLimits`, limits.py), lazy access to steps, events, requests, timelines, tensors and pandas frames, and following a file
 that is still being written. Never writes: the file is opened read-only. Does not own the layout
 (format.py), what events mean (events.py) or the records it returns (records.py). pandas is imported only inside the `*_frame` methods.
 """
@@ -29,9 +29,10 @@ from workbench.trace.events import (
 )
 from workbench.trace.format import FORMAT, STEP_COLUMNS, events_sql, field_type_problem, file_problem
 from workbench.trace.inside import InsideReader
+from workbench.trace.limits import LimitError, ReadBudget, ReadLimits, json_depth_over, parse_json
 from workbench.trace.records import RequestInfo, StepInfo, Timeline, TraceError, _is_version, _step_info
 
-__all__ = ["RequestInfo", "StepInfo", "Timeline", "Trace", "TraceError", "open_trace"]
+__all__ = ["ReadLimits", "RequestInfo", "StepInfo", "Timeline", "Trace", "TraceError", "open_trace"]
 
 if TYPE_CHECKING:
     import numpy as np
@@ -39,12 +40,16 @@ if TYPE_CHECKING:
 
 _EVENT_COLUMNS = "id, step, req_id, kind, t, payload"
 _CHUNK = 2000  # rows fetched per round trip while iterating
+_CHUNK_CHARS = 8 << 20  # ... or fewer, once their text passes this (a chunk holds at most this plus one value)
 _TOKEN_COLUMNS = ["req_id", "position", "step", "token_id", "text", "logprob", "rank", "source", "t"]
 
 
-def open_trace(path: str | os.PathLike[str]) -> Trace:
-    """Open a `.wbtrace` file read-only; raise TraceError if it is not a readable workbench trace."""
-    return Trace(path)
+def open_trace(path: str | os.PathLike[str], limits: ReadLimits | None = None) -> Trace:
+    """Open a `.wbtrace` file read-only; raise TraceError if it is not a readable workbench trace.
+
+    `limits` bound what reading it may cost (default: `ReadLimits.from_env()`, the
+    `WORKBENCH_TRACE_MAX_*` variables); a read past one raises a TraceError naming it."""
+    return Trace(path, limits)
 
 
 class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
@@ -54,11 +59,14 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
     `step(n)` (its events), `events(kind, req_id, step_range, limit)`, `requests()`,
     `timeline(req_id)`, `tensor(name)`, `*_frame()` (pandas), `refresh()` / `follow()` for a file
     still being written, `check()` for a full integrity scan. One connection, safe across threads.
+    Every read is bounded by `limits` (limits.py): one stored value, JSON nesting, and the memory one
+    list-returning read builds; `events()` streams in chunks of bounded size.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], limits: ReadLimits | None = None) -> None:
         self.path = os.fspath(path)
         self.name = os.path.basename(self.path)
+        self.limits = limits if limits is not None else ReadLimits.from_env()
         problem = file_problem(self.path)
         if problem:
             raise TraceError(f"{self.name}: {problem}")
@@ -70,6 +78,8 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
             self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
         except sqlite3.Error as exc:
             raise TraceError(f"{self.name}: cannot open trace file ({exc})") from None
+        # SQLite refuses to materialise a larger value ("string or blob too big"), so no read copies one
+        self._conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, self.limits.max_value_bytes)
         try:
             self.meta: dict[str, Any] = self._load_meta()
             self.schema_version: int = self._check_meta()
@@ -85,13 +95,18 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
         columns = {r[1] for r in self._query("PRAGMA table_info(meta)")} if "meta" in tables else set()
         if not {"key", "value"} <= columns:
             raise TraceError(f"{self.name}: not a workbench trace (an SQLite database without a trace meta table)")
-        marker = self._query_one("SELECT value FROM meta WHERE key = 'format'")
+        marker = self._query_one("SELECT value FROM meta WHERE key = 'format'", what="the meta value 'format'")
         if marker != json.dumps(FORMAT):
             raise TraceError(f"{self.name}: not a workbench trace (no '{FORMAT}' format marker)")
-        try:
-            meta = {key: json.loads(value) for key, value in self._query("SELECT key, value FROM meta")}
-        except (TypeError, ValueError) as exc:
-            raise TraceError(f"{self.name}: corrupt trace file (unreadable meta: {exc})") from None
+        budget = self.budget("the trace's meta table")
+        meta: dict[str, Any] = {}
+        for key, value in self._iter_rows("SELECT key, value FROM meta", (), "a meta value", budget):
+            try:
+                meta[str(key)] = parse_json(value, self.limits, f"meta value {str(key)[:40]!r}")
+            except LimitError as exc:
+                raise TraceError(f"{self.name}: {exc}") from None
+            except (TypeError, ValueError) as exc:
+                raise TraceError(f"{self.name}: corrupt trace file (unreadable meta: {exc})") from None
         missing = {"events", "steps", "tensors"} - tables
         if missing and _is_version(meta.get("schema_version")) and meta["schema_version"] <= SCHEMA_VERSION:
             raise TraceError(f"{self.name}: corrupt trace file (missing tables {sorted(missing)})")
@@ -109,30 +124,57 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
 
     # --- low level -------------------------------------------------------------------------------
 
+    def budget(self, what: str) -> ReadBudget:
+        """A memory budget for one read of this trace (`what` names it in the error past the limit):
+        pass one to `step`/`events` to bound what a caller accumulates over several reads."""
+        return ReadBudget(self.limits, what)
+
     @contextmanager
-    def _errors(self) -> Iterator[None]:
+    def _errors(self, what: str = "a value") -> Iterator[None]:
         try:
             with self._lock:
                 yield
+        except LimitError as exc:
+            raise TraceError(f"{self.name}: {exc}") from None
+        except sqlite3.DataError as exc:
+            if "too big" not in str(exc):
+                raise TraceError(f"{self.name}: corrupt trace file ({exc})") from None
+            raise TraceError(f"{self.name}: {self.limits.message('max_value_mb', what)}") from None
         except sqlite3.DatabaseError as exc:
             raise TraceError(f"{self.name}: corrupt trace file ({exc})") from None
         except sqlite3.ProgrammingError as exc:
             raise TraceError(f"{self.name}: trace is closed ({exc})") from None
 
-    def _query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        with self._errors():
+    def _query(self, sql: str, params: Sequence[Any] = (), what: str = "a value") -> list[tuple[Any, ...]]:
+        """Every row of a query whose result is small by construction (counts, names, a LIMIT)."""
+        with self._errors(what):
             return self._conn.execute(sql, params).fetchall()
 
-    def _query_one(self, sql: str, params: Sequence[Any] = ()) -> Any:
-        rows = self._query(sql, params)
+    def _query_one(self, sql: str, params: Sequence[Any] = (), what: str = "a value") -> Any:
+        rows = self._query(sql, params, what)
         return rows[0][0] if rows else None
 
-    def _iter_rows(self, sql: str, params: Sequence[Any]) -> Iterator[tuple[Any, ...]]:
-        with self._errors():
+    def _rows(self, sql: str, params: Sequence[Any], what: str) -> list[tuple[Any, ...]]:
+        """Every row of a query whose last column is JSON text, within one read's memory budget."""
+        return list(self._iter_rows(sql, params, what, self.budget(what)))
+
+    def _iter_rows(self, sql: str, params: Sequence[Any], what: str,
+                   budget: ReadBudget | None = None) -> Iterator[tuple[Any, ...]]:
+        """Rows in chunks of at most `_CHUNK` rows or `_CHUNK_CHARS` of text in their last column;
+        each row charged to `budget` (if any) before it is handed out."""
+        with self._errors(what):
             cursor = self._conn.execute(sql, params)
         while True:
-            with self._errors():
-                rows = cursor.fetchmany(_CHUNK)
+            with self._errors(what):
+                rows, chars = [], 0
+                for row in cursor:
+                    rows.append(row)
+                    if budget is not None:
+                        budget.charge_json(row[-1])
+                    text = row[-1]
+                    chars += len(text) if isinstance(text, (str, bytes)) else 0
+                    if len(rows) >= _CHUNK or chars >= _CHUNK_CHARS:
+                        break
             if not rows:
                 return
             yield from rows
@@ -151,7 +193,9 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
 
     def _payload(self, event_id: int, text: Any) -> dict[str, Any]:
         try:
-            payload = json.loads(text)
+            payload = parse_json(text, self.limits, f"event #{event_id}'s payload")
+        except LimitError as exc:
+            raise TraceError(f"{self.name}: {exc}") from None
         except (TypeError, ValueError) as exc:
             raise TraceError(f"{self.name}: corrupt event #{event_id} ({exc})") from None
         if not isinstance(payload, dict):
@@ -190,33 +234,42 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
     def steps(self) -> list[StepInfo]:
         """Every step's summary, in step order (read once, until `refresh()`)."""
         if self._steps is None:
-            rows = self._query(f"SELECT {', '.join(STEP_COLUMNS)} FROM steps ORDER BY step")
-            self._steps = [_step_info(row, self.name) for row in rows]
+            # req_ids last: the one column of JSON text, which the budget and chunking measure
+            columns = [c for c in STEP_COLUMNS if c != "req_ids"] + ["req_ids"]
+            at = [columns.index(c) for c in STEP_COLUMNS]
+            rows = self._rows(f"SELECT {', '.join(columns)} FROM steps ORDER BY step", (), "the steps table")
+            self._steps = [_step_info(tuple(row[i] for i in at), self.name, self.limits) for row in rows]
             self._num_steps = len(self._steps)
         return self._steps
 
-    def step(self, n: int) -> list[Event]:
-        """The events of step `n`, in emission order (empty if the step recorded nothing)."""
-        rows = self._query(f"SELECT {_EVENT_COLUMNS} FROM events WHERE step = ? ORDER BY id", (int(n),))
+    def step(self, n: int, budget: ReadBudget | None = None) -> list[Event]:
+        """The events of step `n`, in emission order (empty if the step recorded nothing), within
+        one read's memory limit, or within `budget` when given (one budget over many steps)."""
+        what = f"step {int(n)}'s events"
+        rows = self._iter_rows(f"SELECT {_EVENT_COLUMNS} FROM events WHERE step = ? ORDER BY id", (int(n),), what,
+                               budget if budget is not None else self.budget(what))
         return [self._event(row) for row in rows]
 
     # --- events ----------------------------------------------------------------------------------
 
     def events(self, kind: str | Sequence[str] | None = None, req_id: str | None = None,
-               step_range: tuple[int, int] | None = None, limit: int | None = None) -> Iterator[Event]:
+               step_range: tuple[int, int] | None = None, limit: int | None = None,
+               budget: ReadBudget | None = None) -> Iterator[Event]:
         """Typed events matching every filter given, in (step, emission) order.
 
         `kind`: one kind or a list of kinds; `req_id`: one request; `step_range=(a, b)`: steps a
-        through b inclusive; `limit`: at most this many. Rows are read in chunks as you iterate.
+        through b inclusive; `limit`: at most this many. Rows are read in chunks of bounded size as
+        you iterate; a caller that keeps them passes a `budget` (see `budget()`).
         """
         sql, params = events_sql(_EVENT_COLUMNS, kind, req_id, step_range, limit)
-        return (self._event(row) for row in self._iter_rows(sql, params))
+        return (self._event(row) for row in self._iter_rows(sql, params, "an event's payload", budget))
 
     def requests(self) -> list[RequestInfo]:
         """Every request that was added, in arrival order, with its finish record when it has one."""
         added: dict[str, RequestAdded] = {}
         finished: dict[str, RequestFinished] = {}
-        for event in self.events(kind=["request.added", "request.finished"]):
+        budget = self.budget("the requests (their request.added and request.finished events)")
+        for event in self.events(kind=["request.added", "request.finished"], budget=budget):
             if event.req_id is None:
                 continue
             if isinstance(event, RequestAdded):
@@ -228,7 +281,7 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
 
     def timeline(self, req_id: str) -> Timeline:
         """One request's events in order, its output tokens by position, and the steps that ran it."""
-        events = list(self.events(req_id=req_id))
+        events = list(self.events(req_id=req_id, budget=self.budget(f"request {req_id[:60]!r}'s events")))
         tokens = sorted((e for e in events if isinstance(e, TokenChosen)), key=lambda e: e.position)
         added = next((e for e in events if isinstance(e, RequestAdded)), None)
         finished = next((e for e in reversed(events) if isinstance(e, RequestFinished)), None)
@@ -248,7 +301,7 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
 
     def tensor(self, name: str) -> np.ndarray:
         """Load one stored tensor as a numpy array (KeyError if there is none of that name)."""
-        rows = self._query("SELECT data FROM tensors WHERE name = ?", (name,))
+        rows = self._query("SELECT data FROM tensors WHERE name = ?", (name,), f"tensor {name[:60]!r}")
         if not rows:
             raise KeyError(name)
         from safetensors.numpy import load
@@ -297,8 +350,10 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
                             step_range: tuple[int, int] | None, limit: int | None,
                             ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
         """Matching rows and their parsed payloads (one json.loads for all: 3x faster than per row)."""
-        rows = self._query(*events_sql(_EVENT_COLUMNS, kind, req_id, step_range, limit))
+        rows = self._rows(*events_sql(_EVENT_COLUMNS, kind, req_id, step_range, limit), "the events of a frame")
         try:
+            if any(json_depth_over(r[5], self.limits.max_depth) for r in rows):
+                raise ValueError("nested too deep")  # the per-row parse below names the event
             payloads = json.loads("[" + ",".join(r[5] for r in rows) + "]")
             if len(payloads) == len(rows) and all(isinstance(p, dict) for p in payloads):
                 return rows, payloads
@@ -326,7 +381,8 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
         last = 0 if from_start else self._last_id
         idle_since = time.monotonic()
         while True:
-            rows = self._query(f"SELECT {_EVENT_COLUMNS} FROM events WHERE id > ? ORDER BY id LIMIT ?", (last, _CHUNK))
+            rows = self._rows(f"SELECT {_EVENT_COLUMNS} FROM events WHERE id > ? ORDER BY id LIMIT ?", (last, _CHUNK),
+                              "the newest events")
             if rows:
                 last = max(last, rows[-1][0])
                 self._last_id, idle_since = max(self._last_id, last), time.monotonic()

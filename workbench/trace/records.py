@@ -7,12 +7,12 @@ Plain data only: no SQLite, no torch. The reader (reader.py) builds them.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from workbench.trace.events import Event, RequestAdded, RequestFinished, TokenChosen
 from workbench.trace.format import STEP_COLUMNS
+from workbench.trace.limits import LimitError, ReadLimits, parse_json
 
 
 class TraceError(ValueError):
@@ -78,13 +78,16 @@ def _is_version(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _step_info(row: tuple[Any, ...], name: str) -> StepInfo:
+def _step_info(row: tuple[Any, ...], name: str, limits: ReadLimits | None = None) -> StepInfo:
     values = dict(zip(STEP_COLUMNS, row, strict=True))
     try:
-        values["req_ids"] = tuple(json.loads(values["req_ids"] or "[]"))
+        values["req_ids"] = tuple(parse_json(values["req_ids"] or "[]", limits or ReadLimits(),
+                                             f"step {values['step']}'s request list"))
         for key in ("batch_size", "num_tokens", "output_tokens", "num_events", "spec_proposed", "spec_accepted"):
             values[key] = int(values[key] or 0)
         values["forward_ms"] = float(values["forward_ms"] or 0.0)
         return StepInfo(**values)
+    except LimitError as exc:
+        raise TraceError(f"{name}: {exc}") from None
     except (TypeError, ValueError) as exc:
         raise TraceError(f"{name}: corrupt step {values['step']} ({exc})") from None

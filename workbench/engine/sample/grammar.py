@@ -2,7 +2,7 @@
 
 Owns: checking a constraint's structural limits and syntax at validation time (`check_grammar`,
 no tokenizer needed; grammar_limits.py), compiling it once per (kind, source) against the model's
-tokenizer (`GrammarBackend`, built lazily by the engine on the first constrained request): first in
+tokenizer (`GrammarBackend`, built lazily on the first constrained request, or ahead by `prestart`): first in
 a worker process under the time and memory budget (grammar_worker.py), then, once that worker said
 it fits, in this process, kept in a cache bounded in bytes (least recently used dropped), the per-request matcher (`GrammarState`, stored
 in `Req.grammar`), the per-batch token bitmask (`grammar_bitmask`, filled and applied on the CPU)
@@ -17,8 +17,10 @@ given free whitespace tend to emit it until `max_new_tokens`.
 from __future__ import annotations
 
 import json
+import logging
 import threading
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +30,7 @@ from workbench.engine.sample.grammar_limits import GrammarLimits, check_limits
 from workbench.engine.sample.grammar_worker import GrammarWorkers, clean_error, grammar_key
 
 KINDS = ("json_schema", "regex", "ebnf")
+log = logging.getLogger(__name__)
 
 
 def _lower_priority() -> None:
@@ -122,6 +125,31 @@ class GrammarBackend:
         self._cache_bytes = 0
         self.workers = GrammarWorkers(self._tokenizer_info_json, self.limits)
         self._executor: Any = None
+        self._building: dict[str, threading.Lock] = {}  # keys being compiled here now
+        self.compiles: Counter[str] = Counter()  # compiles in this process, by kind (each grammar once)
+        self.compiler_ready_at: float | None = None  # wall clock: xgrammar imported, the tokenizer's info built
+
+    def prestart(self) -> threading.Thread:
+        """Get structured output ready in the background: xgrammar imported and the tokenizer's info
+        built here, and the worker processes started (grammar_worker.py), so the first constrained
+        request does not pay seconds of imports. A failure (no xgrammar) is logged; the first request
+        then tries again and reports it."""
+        def run() -> None:
+            try:
+                self._get_compiler()
+                self.workers.prestart()
+            except Exception as exc:  # noqa: BLE001 - a server without working xgrammar still serves
+                log.warning("structured output could not be prepared at start-up: %s", clean_error(exc))
+
+        thread = threading.Thread(target=run, name="workbench-grammar-prestart", daemon=True)
+        thread.start()
+        return thread
+
+    def status(self) -> dict[str, Any]:
+        """What the server reports: compiles here by kind, the compiler's ready time, the workers' status."""
+        with self._lock:
+            compiles = dict(self.compiles)
+        return {"compiles": compiles, "compiler_ready_at": self.compiler_ready_at, **self.workers.status()}
 
     @property
     def executor(self) -> Any:
@@ -144,6 +172,7 @@ class GrammarBackend:
                                                                 stop_token_ids=self.stop_token_ids or None)
                 # no cache of xgrammar's own: ours below is bounded in bytes
                 self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)  # a core left to the engine
+                self.compiler_ready_at = time.time()
             return self._compiler
 
     def _tokenizer_info_json(self) -> str:
@@ -173,6 +202,21 @@ class GrammarBackend:
         verdict = self.workers.verdict(kind, text, key, param or kind)
         if not verdict.ok:
             raise ValueError(verdict.message)
+        with self._lock:
+            building = self._building.setdefault(key, threading.Lock())
+        with building:  # requests with the same new grammar at once: one compiles it, the others wait for it
+            try:
+                return self._compile_once(kind, text, key, param)
+            finally:
+                with self._lock:
+                    self._building.pop(key, None)
+
+    def _compile_once(self, kind: str, text: str, key: str, param: str | None) -> Any:
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            self.compiles[kind] += 1
         comp = self._get_compiler()
         try:
             if kind == "json_schema":

@@ -1,7 +1,8 @@
 """The grammar worker: a child process that tries a constraint's compile under a time and memory budget.
 
 Owns: `GrammarWorkers`, the parent's pool of child processes (`python -m
-workbench.engine.sample.grammar_worker`, started on the first constrained request) and their
+workbench.engine.sample.grammar_worker`, started by `prestart` as a server starts, else on the first
+constrained request) and their
 verdicts. A constraint is first compiled in a worker, against the engine's tokenizer (sent to the
 child once, serialised), with `jsonschema`'s check of a JSON schema before it. The parent waits at
 most `compile_timeout` seconds and kills the worker past it, or once the worker's resident memory
@@ -32,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from workbench.engine.sample.grammar_limits import FLAGS, GrammarLimits
 
 START_TIMEOUT = 180.0  # seconds a worker may take to import xgrammar and take the tokenizer
 VERDICTS_KEPT = 4096
+RESULT_CHARS_KEPT = 32 << 20  # what the kept verdicts' results (a forced tool call's EBNF) may hold together
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 _HEADER = struct.Struct("!I")
 
@@ -63,7 +65,7 @@ class CompileOutcome:
     seconds: float = 0.0  # the compile's time in the worker
     peak_mb: float = 0.0  # the worker's memory growth while compiling
     cache: bool = True  # False for a verdict that says nothing about the grammar (cancelled, no worker)
-    result: str | None = None  # what a "wrapped" job built (an EBNF grammar)
+    result: str | None = None  # what a "wrapped" job built (an EBNF grammar; kept when under 512 KB)
 
 
 # --- framing (both sides) -----------------------------------------------------------------------
@@ -112,6 +114,7 @@ class _Proc:
     """One worker process."""
 
     def __init__(self, init: Callable[[], dict], memory_mb: int) -> None:
+        self.started_at = time.time()  # wall clock: what a client's request time is compared with
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "workbench.engine.sample.grammar_worker"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
@@ -127,6 +130,7 @@ class _Proc:
             self.kill()
             raise RuntimeError("the grammar worker did not start")
         self.base_mb = _rss_mb(self.proc.pid)
+        self.ready_at = time.time()
 
     @property
     def alive(self) -> bool:
@@ -185,8 +189,36 @@ class GrammarWorkers:
         self._slots: list[_Proc | None] = [None] * limits.workers
         self._free = threading.Semaphore(limits.workers)
         self._verdicts: OrderedDict[str, CompileOutcome] = OrderedDict()
+        self._result_chars = 0  # the kept verdicts' results, bounded by RESULT_CHARS_KEPT
         self._inflight: dict[str, _Job] = {}
         self._closed = False
+        self.starts: list[tuple[float, float]] = []  # (started, ready) wall-clock times of each worker process
+        self.runs: Counter[str] = Counter()  # jobs sent to a worker, by kind
+
+    def prestart(self) -> None:
+        """Start every worker process now (blocking; a server calls it on a thread at start-up), so the
+        first constrained request does not wait seconds for one to import xgrammar. Slots in use or
+        already started are left alone."""
+        taken: list[tuple[int, _Proc]] = []
+        try:
+            for _ in range(self.limits.workers):
+                if not self._free.acquire(blocking=False):
+                    break
+                try:
+                    taken.append(self._take())
+                except BaseException:
+                    self._free.release()
+                    raise
+        finally:
+            for slot, proc in taken:
+                self._give(slot, proc, recycle=False)
+                self._free.release()
+
+    def status(self) -> dict:
+        """Worker processes started, when the newest became ready (wall clock), and jobs run by kind."""
+        with self._lock:
+            return {"workers_started": len(self.starts), "worker_ready_at": self.starts[-1][1] if self.starts else None,
+                    "worker_runs": dict(self.runs)}
 
     def cached(self, key: str) -> CompileOutcome | None:
         with self._lock:
@@ -220,10 +252,11 @@ class GrammarWorkers:
         with self._lock:
             job.verdict = verdict
             self._inflight.pop(key, None)
-            if verdict.cache:
+            if verdict.cache:  # a forced tool call's EBNF too: the same tools are not parsed again per request
                 self._verdicts[key] = verdict
-                while len(self._verdicts) > VERDICTS_KEPT:
-                    self._verdicts.popitem(last=False)
+                self._result_chars += len(verdict.result or "")
+                while len(self._verdicts) > VERDICTS_KEPT or self._result_chars > RESULT_CHARS_KEPT:
+                    self._result_chars -= len(self._verdicts.popitem(last=False)[1].result or "")
         job.done.set()
         return verdict
 
@@ -252,6 +285,8 @@ class GrammarWorkers:
             if cancelled:
                 self._give(slot, proc, recycle=False)
                 return CompileOutcome(False, f"{param}: cancelled", cache=False)
+            with self._lock:
+                self.runs[kind] += 1
             t0 = time.perf_counter()
             reply, peak = proc.run({**extra, "kind": kind, "text": text}, lim.compile_timeout)
             seconds = time.perf_counter() - t0
@@ -259,7 +294,8 @@ class GrammarWorkers:
                 self._give(slot, proc, recycle=_rss_mb(proc.proc.pid) - proc.base_mb > 64)
                 if reply.get("ok"):
                     result = reply.get("result")
-                    return CompileOutcome(True, seconds=seconds, peak_mb=peak, result=result, cache=result is None)
+                    return CompileOutcome(True, seconds=seconds, peak_mb=peak, result=result,
+                                          cache=result is None or len(result) <= RESULT_CHARS_KEPT // 64)
                 if reply.get("error") == "memory":
                     return self._memory(param, kind, seconds, peak)
                 return CompileOutcome(False, f"{param} is invalid: {reply.get('error', 'unknown error')}", seconds, peak)
@@ -293,6 +329,8 @@ class GrammarWorkers:
                 with self._lock:
                     self._slots[slot] = None
                 raise
+            with self._lock:
+                self.starts.append((proc.started_at, proc.ready_at))
         return slot, proc
 
     def _init_message(self) -> dict:

@@ -114,6 +114,13 @@ class TokenBan:
         logits[self.rows, self.token_ids] = float("-inf")
 
 
+def bias_tensors(logit_bias: dict[int, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [M] int64, biases [M] float32) of one request's logit_bias, on the CPU: built once,
+    where the request is added (the admission thread), never per step on the engine's thread."""
+    return (torch.tensor([int(t) for t in logit_bias], dtype=torch.int64),
+            torch.tensor([float(v) for v in logit_bias.values()], dtype=torch.float32))
+
+
 @dataclass(slots=True)
 class LogitBias:
     """`(row, token, bias)` triples added to the logits."""
@@ -125,18 +132,21 @@ class LogitBias:
 
     @classmethod
     def build(cls, reqs: Sequence[Req], device: str) -> LogitBias | None:
+        """Per step, from each request's tensors made once when it was added (`bias_tensors`): a
+        request biasing the whole vocabulary costs each step a concatenation, not a Python loop."""
         rows, ids, vals, biased = [], [], [], []
         for i, req in enumerate(reqs):
-            bias = req.params.logit_bias
-            if bias:
-                rows += [i] * len(bias)
-                ids += [int(t) for t in bias]
-                vals += [float(v) for v in bias.values()]
+            if req.params.logit_bias:
+                if req.bias is None:
+                    req.bias = bias_tensors(req.params.logit_bias)
+                token_ids, values = req.bias
+                rows.append(torch.full((len(token_ids),), i, dtype=torch.int64))
+                ids.append(token_ids)
+                vals.append(values)
                 biased.append(i)
         if not ids:
             return None
-        return cls(torch.tensor(rows, device=device), torch.tensor(ids, device=device),
-                   torch.tensor(vals, dtype=torch.float32, device=device), biased)
+        return cls(torch.cat(rows).to(device), torch.cat(ids).to(device), torch.cat(vals).to(device), biased)
 
     def apply(self, logits: torch.Tensor) -> None:
         logits.index_put_((self.rows, self.token_ids), self.values, accumulate=True)

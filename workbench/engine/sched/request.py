@@ -61,6 +61,7 @@ class Req:
     # per-request state owned by other stages (detokenizer, grammar matcher, tool parser, spec metrics)
     detok: Any = None
     grammar: Any = None
+    bias: Any = None  # (token ids, biases) tensors of params.logit_bias, made once (sample/penalties.py)
     tool_parser: Any = None
     spec_stats: Any = None
     text: str = ""
