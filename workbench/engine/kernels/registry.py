@@ -41,7 +41,8 @@ _ALL = [
                 "linear.rowdot, linear.blocked)",
                 IDENTICAL, (*SHAPE_ROWS, "entrants"), MACHINE, GEMM, native=True,
                 note="every entrant is bit-identical, so the race can only change speed: timed on this "
-                     "CPU, best of 3 calls each (ms in facts), the winner runs"),
+                     "CPU with the weight out of cache (64 MB written before each call), best of 3 calls each "
+                     "(ms in facts), the winner runs"),
     Replacement("attention.decode_one_row",
                 "gather + scaled_dot_product_attention at one decode row (exactly transformers' attention)",
                 "the paged decode-attention C kernel (kernels/c/decode_attention.c)",
