@@ -87,57 +87,50 @@ def _check_linear(packed: PackedLinear, rows: int, kind: str) -> Verdict:
                    {"max_abs_diff": diff})
 
 
+def _rowdot_order_words(order: tuple) -> str:
+    p, lanes, fma = order
+    first = "the products up to each row's 16-byte boundary" if p < 0 else f"{p} products"
+    return f"{first} one by one, {lanes} lanes{', fused multiply-add' if fma else ''}"
+
+
+def _blocked_order_words(order: tuple) -> str:
+    kc, bias_first = order
+    return f"fma chains in blocks of {kc} products{', the bias first' if bias_first else ''}"
+
+
 def _check_rowdot(packed: PackedLinear) -> Verdict:
-    """Find the summation order in which the one-row kernel gives F.linear's bits for this layer:
-    each of ROWDOT_ORDERS on the first rows of the weight, then the first that matched on all of it."""
-    module = packed.module
-    weight, bias = module.weight.detach(), module.bias
-    x = _probe(1, packed.in_features)
-    head = min(ROWDOT_SEARCH_ROWS, packed.out_features)
-    with torch.inference_mode():
-        want = F.linear(x, weight, bias)
-        for order in ROWDOT_ORDERS:
-            got = packed.rowdot_compute(x, order, head)
-            if got is None or not torch.equal(got, want[:, :head]):
-                continue
-            got = packed.rowdot_compute(x, order)
-            if torch.equal(got, want):
-                p, lanes, fma = order
-                first = "the products up to each row's 16-byte boundary" if p < 0 else f"{p} products"
-                return Verdict(True, f"one-row kernel bit-identical to F.linear in the order: {first} one by "
-                               f"one, {lanes} lanes{', fused multiply-add' if fma else ''}",
-                               {"order": list(order), "max_abs_diff": 0.0})
-            diff = float((got - want).abs().max())
-            return Verdict(False, f"one-row kernel matched F.linear's first {head} rows but differs by up to "
-                           f"{diff:.3g} over all of them; F.linear is used", {"order": list(order), "max_abs_diff": diff})
-    return Verdict(False, f"none of the one-row kernel's {len(ROWDOT_ORDERS)} summation orders gives F.linear's "
-                   "bits on this CPU; F.linear is used", {"orders_tried": len(ROWDOT_ORDERS)})
+    """Find the summation order in which the one-row kernel gives F.linear's bits for this layer."""
+    return _find_order(packed, 1, "one-row kernel", ROWDOT_ORDERS, packed.rowdot_compute, _rowdot_order_words)
 
 
 def _check_blocked(packed: PackedLinear, rows: int) -> Verdict:
     """Find the block size and bias placement in which the blocked kernel gives F.linear's bits for
-    this layer at `rows` rows: each of BLOCKED_ORDERS on the weight's first rows, then the first that
-    matched on all of it."""
+    this layer at `rows` rows."""
+    return _find_order(packed, rows, "blocked kernel", BLOCKED_ORDERS, packed.blocked_compute, _blocked_order_words)
+
+
+def _find_order(packed: PackedLinear, rows: int, what: str, orders: tuple, compute: Callable,
+                words: Callable[[tuple], str]) -> Verdict:
+    """Each of `orders` through `compute(x, order, outputs)` on the weight's first outputs (a cheap
+    search), then the first that matched there on all of them: bit-identical to F.linear or refused."""
     module = packed.module
     x = _probe(rows, packed.in_features)
     head = min(ROWDOT_SEARCH_ROWS, packed.out_features)
     with torch.inference_mode():
         want = F.linear(x, module.weight, module.bias)
-        for order in BLOCKED_ORDERS:
-            got = packed.blocked_compute(x, order, head)
+        for order in orders:
+            got = compute(x, order, head)
             if got is None or not torch.equal(got, want[:, :head]):
                 continue
-            got = packed.blocked_compute(x, order)
-            kc, bias_first = order
+            got = compute(x, order)
             if torch.equal(got, want):
-                return Verdict(True, f"blocked kernel bit-identical to F.linear in the order: fma chains in blocks "
-                               f"of {kc} products{', the bias first' if bias_first else ''}",
+                return Verdict(True, f"{what} bit-identical to F.linear in the order: {words(order)}",
                                {"order": list(order), "max_abs_diff": 0.0})
             diff = float((got - want).abs().max())
-            return Verdict(False, f"blocked kernel matched F.linear's first {head} outputs but differs by up to "
-                           f"{diff:.3g} over all of them; F.linear is used", {"order": list(order), "max_abs_diff": diff})
-    return Verdict(False, f"none of the blocked kernel's {len(BLOCKED_ORDERS)} summation orders gives F.linear's "
-                   "bits on this CPU; F.linear is used", {"orders_tried": len(BLOCKED_ORDERS)})
+            return Verdict(False, f"{what} matched F.linear's first {head} outputs but differs by up to {diff:.3g} "
+                           "over all of them; F.linear is used", {"order": list(order), "max_abs_diff": diff})
+    return Verdict(False, f"none of the {what}'s {len(orders)} summation orders gives F.linear's bits on this CPU; "
+                   "F.linear is used", {"orders_tried": len(orders)})
 
 
 def fastest(book: Book, packed: PackedLinear, rows: int, kinds: tuple[str, ...]) -> str:
