@@ -37,6 +37,19 @@ def _count_calls(monkeypatch, method: str = "compute") -> list[int]:
     return calls
 
 
+def _one_ulp_off(monkeypatch, method: str, at: tuple[int, int]) -> None:
+    """PackedLinear.`method` made wrong by one ulp at output element `at` (its checks must refuse it)."""
+    compute = getattr(gemm.PackedLinear, method)
+
+    def off_by_one_ulp(self, x2, *order):
+        y = compute(self, x2, *order)
+        if y is not None:
+            y[at] = torch.nextafter(y[at], torch.tensor(float("inf")))
+        return y
+
+    monkeypatch.setattr(gemm.PackedLinear, method, off_by_one_ulp)
+
+
 @pytest.fixture
 def packed_only(monkeypatch):
     """No split GEMM: the packed GEMM alone, as on one thread or where every split is refused."""
@@ -153,14 +166,7 @@ def test_split_gemms_for_decode_batches_give_exactly_what_f_linear_gives(rows, t
 
 @pytest.mark.skipif(native.mkl() is None, reason=NO_MKL)
 def test_a_split_gemm_that_differs_from_f_linear_is_refused_and_f_linear_runs(monkeypatch, torch_threads):
-    compute = gemm.PackedLinear.split_compute
-
-    def off_by_one_ulp(self, x2):
-        y = compute(self, x2)
-        y[-1, -1] = torch.nextafter(y[-1, -1], torch.tensor(float("inf")))
-        return y
-
-    monkeypatch.setattr(gemm.PackedLinear, "split_compute", off_by_one_ulp)
+    _one_ulp_off(monkeypatch, "split_compute", (-1, -1))
     torch_threads(2)
     checks = Book()
     plain, split = _linear_stack(7), _linear_stack(7)
@@ -212,15 +218,7 @@ def test_the_one_row_kernel_gives_f_linears_bits_in_the_order_it_found(monkeypat
 
 @pytest.mark.skipif(native.mkl() is None or native.load() is None, reason=NO_MKL + " or no C compiler")
 def test_a_one_row_kernel_off_by_one_ulp_is_refused_and_f_linear_runs(monkeypatch, torch_threads):
-    compute = gemm.PackedLinear.rowdot_compute
-
-    def off_by_one_ulp(self, x2, order=None, out_rows=None):
-        y = compute(self, x2, order, out_rows)
-        if y is not None:
-            y[0, -1] = torch.nextafter(y[0, -1], torch.tensor(float("inf")))
-        return y
-
-    monkeypatch.setattr(gemm.PackedLinear, "rowdot_compute", off_by_one_ulp)
+    _one_ulp_off(monkeypatch, "rowdot_compute", (0, -1))
     _fixed_race(monkeypatch, {gemm.ROWDOT: 1.0, gemm.SPLIT: 2.0, gemm.LINEAR: 3.0})
     torch_threads(2)
     checks = Book()
@@ -265,15 +263,7 @@ def test_the_blocked_kernel_gives_f_linears_bits_at_decode_batch_sizes(rows, mon
 
 @pytest.mark.skipif(native.mkl() is None or native.load() is None, reason=NO_MKL + " or no C compiler")
 def test_a_blocked_kernel_off_by_one_ulp_is_refused_and_f_linear_runs(monkeypatch, torch_threads):
-    compute = gemm.PackedLinear.blocked_compute
-
-    def off_by_one_ulp(self, x2, order=None, out_cols=None):
-        y = compute(self, x2, order, out_cols)
-        if y is not None:
-            y[-1, 0] = torch.nextafter(y[-1, 0], torch.tensor(float("inf")))
-        return y
-
-    monkeypatch.setattr(gemm.PackedLinear, "blocked_compute", off_by_one_ulp)
+    _one_ulp_off(monkeypatch, "blocked_compute", (-1, 0))
     _fixed_race(monkeypatch, {gemm.BLOCKED: 1.0, gemm.LINEAR: 3.0})
     torch_threads(2)
     checks = Book()
@@ -305,14 +295,7 @@ def test_the_one_row_kernel_sums_every_product_in_any_order_it_takes():
 @pytest.mark.skipif(native.mkl() is None, reason=NO_MKL)
 def test_a_packed_gemm_that_differs_from_f_linear_is_refused_and_f_linear_runs(monkeypatch, packed_only):
     # Force the failing verification: a packed GEMM that is off by one ulp in one element.
-    compute = gemm.PackedLinear.compute
-
-    def off_by_one_ulp(self, x2):
-        y = compute(self, x2)
-        y[0, 0] = torch.nextafter(y[0, 0], torch.tensor(float("inf")))
-        return y
-
-    monkeypatch.setattr(gemm.PackedLinear, "compute", off_by_one_ulp)
+    _one_ulp_off(monkeypatch, "compute", (0, 0))
     checks = Book()
     plain, packed = _linear_stack(4), _linear_stack(4)
     assert gemm.pack_linears(packed, book=checks) > 0
