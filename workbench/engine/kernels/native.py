@@ -28,7 +28,8 @@ import torch
 from workbench.engine.kernels import switch
 from workbench.engine.kernels.store import cache_root
 
-SOURCES = [Path(__file__).parent / "c" / name for name in ("decode_attention.c", "sample_draw.c", "linear_rowdot.c", "linear_rows.c", "topk.c")]
+SOURCES = [Path(__file__).parent / "c" / name for name in ("decode_attention.c", "sample_draw.c", "linear_rowdot.c", "linear_rows.c", "topk.c",
+                                                                     "layer_ops.c")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 lock = threading.Lock()
@@ -105,6 +106,12 @@ def _load_c() -> ctypes.CDLL | None:
     rowdot = lib.wb_linear_rowdot
     rowdot.restype = ctypes.c_int
     rowdot.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
+    norm = lib.wb_rms_norm
+    norm.restype = ctypes.c_int
+    norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
+    rope = lib.wb_rope
+    rope.restype = ctypes.c_int
+    rope.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     return lib
 
 

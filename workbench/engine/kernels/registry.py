@@ -68,6 +68,16 @@ _ALL = [
                 "k-sized heap", IDENTICAL, (), MACHINE, ("workbench.engine.kernels.sampling",), native=True,
                 on_disk="none", note="k * 64 <= vocabulary only (torch's partial_sort path); compared on 40 "
                 "tie-heavy probe rows per k; checked in every process"),
+    Replacement("norm.rms", "transformers' RMSNorm forward (pow, mean, add, rsqrt, two muls) and the residual add "
+                "before it", "one C pass per row (kernels/c/layer_ops.c) in torch's own order for the mean's sum",
+                IDENTICAL, ("class", "hidden", "eps"), MACHINE, ("workbench.engine.kernels.layer_ops",), native=True,
+                on_disk="none", note="inside the direct forward; torch's float sum order (ATen's SumKernel) is tried "
+                "at each vector width on probe rows against the model's own norm, the first that matches them all "
+                "is kept (lanes in facts); checked in every process"),
+    Replacement("rotary.apply", "transformers' apply_rotary_pos_emb (q and k: 14 torch ops)",
+                "one C pass (kernels/c/layer_ops.c): two rounded products and a rounded sum per element, as torch",
+                IDENTICAL, ("heads", "kv_heads", "head_dim"), MACHINE, ("workbench.engine.kernels.layer_ops",),
+                native=True, on_disk="none", note="inside the direct forward; checked in every process"),
     Replacement("forward.direct", "the model's own forward (module dispatch, transformers' decorators)",
                 "the direct forward: the same torch ops in the same order without the dispatch "
                 "(run/exact_forward.py)", IDENTICAL, ("model",), MODEL, ("workbench.engine.run.exact_forward",),

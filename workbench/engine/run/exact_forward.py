@@ -25,6 +25,7 @@ import contextlib
 import importlib
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -135,10 +136,15 @@ def forward(model: torch.nn.Module, fb: Any, layers: int | None = None) -> torch
     pos = fb.positions.unsqueeze(0)
     hidden = inner.embed_tokens.forward(fb.input_ids.unsqueeze(0))
     cos, sin = inner.rotary_emb(hidden, position_ids=pos)
+    ops = _layer_ops(model, rotate)
+    pending = None  # with `ops`: the last layer's MLP output, added to `hidden` inside the next norm
     for layer in inner.layers[: config.num_hidden_layers if layers is None else layers]:
         # LlamaDecoderLayer.forward
-        residual = hidden
-        hidden = layer.input_layernorm.forward(hidden)
+        if ops is None:
+            residual = hidden
+            hidden = layer.input_layernorm.forward(hidden)
+        else:
+            residual, hidden = ops.norm(layer.input_layernorm, hidden, pending)
         # LlamaAttention.forward (Qwen3: q/k normed per head; Mistral, Qwen2, Qwen3: sliding_window=)
         attn = layer.self_attn
         input_shape = hidden.shape[:-1]
@@ -146,28 +152,58 @@ def forward(model: torch.nn.Module, fb: Any, layers: int | None = None) -> torch
         if fam.qk_norm:
             q = attn.q_norm.forward(attn.q_proj.forward(hidden).view(hidden_shape)).transpose(1, 2)
             k = attn.k_norm.forward(attn.k_proj.forward(hidden).view(hidden_shape)).transpose(1, 2)
+            q, k = rotate(q, k, cos, sin)
         else:
-            q = attn.q_proj.forward(hidden).view(hidden_shape).transpose(1, 2)
-            k = attn.k_proj.forward(hidden).view(hidden_shape).transpose(1, 2)
+            q, k = attn.q_proj.forward(hidden), attn.k_proj.forward(hidden)
+            if ops is not None and ops.rope_fits(q.shape[-1] // attn.head_dim, k.shape[-1] // attn.head_dim,
+                                                 attn.head_dim):
+                q, k = ops.rope(q, k, cos, sin, attn.head_dim)
+            else:
+                q, k = rotate(q.view(hidden_shape).transpose(1, 2), k.view(hidden_shape).transpose(1, 2), cos, sin)
         v = attn.v_proj.forward(hidden).view(hidden_shape).transpose(1, 2)
-        q, k = rotate(q, k, cos, sin)
         if fam.window == "layer":
             window = {"sliding_window": attn.sliding_window}
         out, _ = attend(attn, q, k, v, None, dropout=0.0, scaling=attn.scaling, **window, position_ids=pos,
                         use_cache=False, forward_batch=fb)
         out = out.reshape(*input_shape, -1).contiguous()
-        hidden = residual + attn.o_proj.forward(out)
-        residual = hidden
-        hidden = layer.post_attention_layernorm.forward(hidden)
+        if ops is None:
+            hidden = residual + attn.o_proj.forward(out)
+            residual = hidden
+            hidden = layer.post_attention_layernorm.forward(hidden)
+        else:
+            residual, hidden = ops.norm(layer.post_attention_layernorm, residual, attn.o_proj.forward(out))
         # LlamaMLP.forward
         mlp = layer.mlp
         hidden = mlp.down_proj.forward(mlp.act_fn.forward(mlp.gate_proj.forward(hidden)) * mlp.up_proj.forward(hidden))
-        hidden = residual + hidden
-    if layers is not None:
-        return model.lm_head.forward(inner.norm.forward(hidden[:, fb.logits_rows]))[0].float()
-    hidden = inner.norm.forward(hidden)
+        if ops is None:
+            hidden = residual + hidden
+        else:
+            hidden, pending = residual, hidden
+    if layers is not None or ops is None:
+        if pending is not None:
+            hidden = hidden + pending
+        if layers is not None:
+            return model.lm_head.forward(inner.norm.forward(hidden[:, fb.logits_rows]))[0].float()
+        hidden = inner.norm.forward(hidden)
+    else:  # each row's norm is its own: only the kept rows are added and normed
+        rows = fb.logits_rows
+        _, hidden = ops.norm(inner.norm, hidden[:, rows], None if pending is None else pending[:, rows])
+        return model.lm_head.forward(hidden)[0].float()
     # LlamaForCausalLM.forward: slice_logits_to_keep with a 1-D index tensor, then the head
     return model.lm_head.forward(hidden[:, fb.logits_rows, :])[0].float()
+
+
+_ops: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _layer_ops(model: torch.nn.Module, rotate) -> Any:
+    """The model's fused norm and rotation (kernels/layer_ops.py), None where the C kernels or the
+    model's dtype rule them out; each op is still used only where its own check passed."""
+    if model not in _ops:
+        from workbench.engine.kernels.layer_ops import LayerOps
+
+        _ops[model] = LayerOps.for_model(model, rotate)
+    return _ops[model]
 
 
 _verify_lock = threading.Lock()

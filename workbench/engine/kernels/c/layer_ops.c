@@ -1,0 +1,109 @@
+/* The small per-layer ops of a Llama-style decoder, each in torch's own arithmetic, so that the
+ * result is bit-identical to transformers' ops (the checks in kernels/layer_ops.py confirm it on the
+ * CPU that runs them):
+ *
+ * - wb_rms_norm: [residual + delta then] LlamaRMSNorm: w * (h * rsqrt(mean(h^2) + eps)). The mean is
+ *   torch's float sum (ATen/native/cpu/SumKernel.cpp: vectorized_inner_sum -> row_sum ->
+ *   multi_row_sum, with `lanes` floats per vector: 16 on AVX512, 8 on AVX2) divided by n.
+ * - wb_rope: transformers' apply_rotary_pos_emb, q*cos + rotate_half(q)*sin, for q and k.
+ *
+ * Built with -ffp-contract=off: every product is rounded before it is added, as torch's separate
+ * mul and add kernels round it.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_LANES 16
+#define ILP 4
+#define LEVELS 4
+
+static int64_t ceil_log2(int64_t x) {
+    if (x <= 2) return 1;
+    uint64_t v = (uint64_t)(x - 1);
+    int64_t bits = 0;
+    while (v) { bits++; v >>= 1; }
+    return bits;
+}
+
+/* torch's sum of v[i] = x[i]*x[i] (its pow(2) rounds each square) over one row of n floats. */
+static float torch_sum_squares(const float *x, int64_t n, int lanes) {
+    const int64_t vec_size = n / lanes;       /* whole vectors */
+    const int64_t size = vec_size / ILP;      /* multi_row_sum's "rows" of ILP vectors each */
+    const int64_t level_power = ceil_log2(size) / LEVELS > 4 ? ceil_log2(size) / LEVELS : 4;
+    const int64_t level_step = (int64_t)1 << level_power;
+    const int64_t level_mask = level_step - 1;
+    float acc[LEVELS][ILP][MAX_LANES];
+    memset(acc, 0, sizeof acc);
+    int64_t i = 0;
+#define LOAD_ADD(dst, vec) do { const float *p_ = x + (vec) * lanes; \
+        for (int l_ = 0; l_ < lanes; l_++) (dst)[l_] += p_[l_] * p_[l_]; } while (0)
+    for (; i + level_step <= size;) {
+        for (int64_t j = 0; j < level_step; ++j, ++i)
+            for (int k = 0; k < ILP; k++) LOAD_ADD(acc[0][k], i * ILP + k);
+        for (int j = 1; j < LEVELS; ++j) {
+            for (int k = 0; k < ILP; k++)
+                for (int l = 0; l < lanes; l++) { acc[j][k][l] += acc[j - 1][k][l]; acc[j - 1][k][l] = 0.0f; }
+            const int64_t mask = level_mask << (j * level_power);
+            if ((i & mask) != 0) break;
+        }
+    }
+    for (; i < size; ++i)
+        for (int k = 0; k < ILP; k++) LOAD_ADD(acc[0][k], i * ILP + k);
+    for (int j = 1; j < LEVELS; ++j)
+        for (int k = 0; k < ILP; k++)
+            for (int l = 0; l < lanes; l++) acc[0][k][l] += acc[j][k][l];
+    /* row_sum: the vectors left over after the ILP rows, then the ILP partial sums in turn */
+    for (int64_t v = size * ILP; v < vec_size; v++) LOAD_ADD(acc[0][0], v);
+    for (int k = 1; k < ILP; k++)
+        for (int l = 0; l < lanes; l++) acc[0][0][l] += acc[0][k][l];
+#undef LOAD_ADD
+    /* vectorized_inner_sum: the scalar tail first, then the lanes in order */
+    float total = 0.0f;
+    for (int64_t k = vec_size * lanes; k < n; k++) total += x[k] * x[k];
+    for (int l = 0; l < lanes; l++) total += acc[0][0][l];
+    return total;
+}
+
+/* rows x n: h = x (+ delta, stored in sum_out when given), out = w * (h * (1 / sqrt(sum(h^2) / n + eps))). */
+int wb_rms_norm(const float *x, const float *delta, float *sum_out, const float *w, float *out, int64_t rows,
+                int64_t n, float eps, int lanes) {
+    if (lanes < 1 || lanes > MAX_LANES) return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *h = x + r * n;
+        if (delta != NULL) {
+            float *s = sum_out + r * n;
+            const float *d = delta + r * n;
+            for (int64_t i = 0; i < n; i++) s[i] = h[i] + d[i];
+            h = s;
+        }
+        const float mean = torch_sum_squares(h, n, lanes) / (float)n;
+        const float inv = 1.0f / sqrtf(mean + eps);
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) o[i] = w[i] * (h[i] * inv);
+    }
+    return 0;
+}
+
+/* q [rows, hq * d], k [rows, hk * d] (row strides q_stride, k_stride), cos/sin [rows, d]:
+ * qo/ko [rows, h * d] contiguous = x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1). */
+int wb_rope(const float *q, const float *k, int64_t q_stride, int64_t k_stride, const float *cos_, const float *sin_,
+            float *qo, float *ko, int64_t rows, int64_t hq, int64_t hk, int64_t d) {
+    if (d % 2) return -1;
+    const int64_t half = d / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos_ + r * d, *s = sin_ + r * d;
+        for (int pass = 0; pass < 2; pass++) {
+            const int64_t heads = pass ? hk : hq;
+            const float *src = pass ? k + r * k_stride : q + r * q_stride;
+            float *dst = pass ? ko + r * hk * d : qo + r * hq * d;
+            for (int64_t h = 0; h < heads; h++) {
+                const float *x = src + h * d;
+                float *y = dst + h * d;
+                for (int64_t i = 0; i < half; i++) y[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+                for (int64_t i = half; i < d; i++) y[i] = x[i] * c[i] + x[i - half] * s[i];
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,162 @@
+"""A decoder layer's small ops in one C call each (c/layer_ops.c), and their checks.
+
+Owns: `LayerOps`, what the direct forward (run/exact_forward.py) calls in place of transformers'
+RMSNorm forward with the residual add before it (`norm.rms`) and of `apply_rotary_pos_emb`
+(`rotary.apply`): each of those is five to fourteen torch ops on a few hundred floats a row, paid
+mostly in dispatch (BENCHMARKS.md, "the model's other ops"). Both compute torch's own arithmetic:
+
+- the norm's mean is torch's float sum, whose order (ATen's SumKernel: four-vector cascades of
+  `lanes`-wide vectors, then the lanes in turn) depends on the vector width torch picked on this
+  CPU; the widths in `NORM_LANES` are tried on probe rows against the model's own norm module and
+  the first that matches every probe is kept (`lanes` in the verdict's facts), else the norm is
+  refused and transformers' ops run;
+- the rotation is elementwise (two rounded products, one rounded sum), checked against the model's
+  own `apply_rotary_pos_emb` on probes.
+
+Does not own: when the direct forward may run at all (exact_forward.py) or the build (native.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workbench.engine.kernels import native
+from workbench.engine.kernels.book import BOOK, Book
+from workbench.engine.kernels.verdict import Verdict
+
+NORM, ROPE = "norm.rms", "rotary.apply"
+NORM_LANES = (8, 16, 4)  # torch's Vectorized<float> width: AVX2 (its sum kernel's, on AVX512 CPUs too), AVX512
+PROBE_ROWS = (1, 5, 64)
+
+
+def _probes(n: int, seed: int) -> list[torch.Tensor]:
+    """Rows spanning six decades of scale (the sum's rounding differs with magnitude), with signs."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, rows, n, generator=gen) * torch.logspace(-3, 3, rows)[None, :, None]
+            for rows in PROBE_ROWS]
+
+
+def _norm_key(module: torch.nn.Module) -> tuple:
+    return (type(module).__qualname__, int(module.weight.shape[0]), float(module.variance_epsilon))
+
+
+class LayerOps:
+    """The fused norm and rotation for one model, where their checks passed on this CPU."""
+
+    def __init__(self, rotate, book: Book = BOOK) -> None:
+        self.rotate, self.book = rotate, book
+        self.lanes: dict[tuple, int | None] = {}  # norm key -> the checked lanes (None: refused)
+        self.rope_ok: dict[tuple, bool] = {}
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, rotate, book: Book = BOOK) -> LayerOps | None:
+        """None where the C kernels are unavailable or the model is not CPU float32."""
+        param = next(model.parameters(), None)
+        if native.load() is None or param is None or param.dtype != torch.float32 or param.device.type != "cpu":
+            return None
+        return cls(rotate, book)
+
+    # --- the norm ---------------------------------------------------------------------------------
+
+    def _norm_lanes(self, module: torch.nn.Module) -> int | None:
+        key = _norm_key(module)
+        if key not in self.lanes:
+            verdict = self.book.decide(NORM, key, lambda: self._check_norm(module))
+            self.lanes[key] = int(verdict.facts["lanes"]) if verdict.ok else None
+        return self.lanes[key]
+
+    def _norm_c(self, module: torch.nn.Module, x: torch.Tensor, delta: torch.Tensor | None,
+                lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.contiguous()
+        n = x.shape[-1]
+        out = torch.empty_like(x)
+        total = None
+        if delta is not None:
+            delta = delta.contiguous()
+            total = torch.empty_like(x)
+        weight = module.weight.detach()
+        native.load().wb_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(),
+                             None if total is None else total.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                             x.numel() // n, n, module.variance_epsilon, lanes)
+        return (x if total is None else total), out
+
+    def norm(self, module: torch.nn.Module, x: torch.Tensor,
+             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(h, module(h))` with `h = x + delta` (or `x`): the residual stream and its norm, as
+        transformers computes them, in one call where `norm.rms` passed, else through torch."""
+        lanes = self._norm_lanes(module) if native.load() is not None else None
+        if lanes is None or x.dtype != torch.float32 or (delta is not None and delta.shape != x.shape):
+            h = x if delta is None else x + delta
+            return h, module.forward(h)
+        return self._norm_c(module, x, delta, lanes)
+
+    def _check_norm(self, module: torch.nn.Module) -> Verdict:
+        n = int(module.weight.shape[0])
+        if module.weight.dtype != torch.float32 or not hasattr(module, "variance_epsilon"):
+            return Verdict(False, "torch: not a float32 RMSNorm with variance_epsilon", {})
+        probes = _probes(n, n)
+        with torch.inference_mode():
+            wanted = [(module.forward(p + p.flip(1)), p + p.flip(1)) for p in probes]
+            for lanes in NORM_LANES:
+                if all(torch.equal(h, hc) and torch.equal(ref, out)
+                       for (ref, h), p in zip(wanted, probes)
+                       for hc, out in [self._norm_c(module, p, p.flip(1), lanes)]):
+                    return Verdict(True, f"kernel: bit-identical to {type(module).__name__}.forward and the residual "
+                                   f"add on {len(probes)} probes, torch's sum at {lanes} lanes",
+                                   {"lanes": lanes, "probe_rows": list(PROBE_ROWS)})
+        return Verdict(False, f"torch: no listed sum order ({', '.join(map(str, NORM_LANES))} lanes) gives "
+                       f"{type(module).__name__}'s bits on this CPU", {})
+
+    # --- the rotation -----------------------------------------------------------------------------
+
+    def _rope_c(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q `[1, T, Hq * D]`, k `[1, T, Hk * D]` (rows may be strided), cos/sin `[1, T, D]` ->
+        contiguous rotated copies of q and k."""
+        rows = q.shape[1]
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if k.stride(-1) != 1:
+            k = k.contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        qo = torch.empty((1, rows, q.shape[-1]), dtype=torch.float32)
+        ko = torch.empty((1, rows, k.shape[-1]), dtype=torch.float32)
+        native.load().wb_rope(q.data_ptr(), k.data_ptr(), q.stride(1), k.stride(1), cos.data_ptr(), sin.data_ptr(),
+                         qo.data_ptr(), ko.data_ptr(), rows, q.shape[-1] // head_dim, k.shape[-1] // head_dim,
+                         head_dim)
+        return qo, ko
+
+    def rope_fits(self, heads: int, kv_heads: int, head_dim: int) -> bool:
+        if native.load() is None:
+            return False
+        key = (heads, kv_heads, head_dim)
+        if key not in self.rope_ok:
+            self.rope_ok[key] = self.book.decide(ROPE, key, lambda: self._check_rope(*key)).ok
+        return self.rope_ok[key]
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q `[1, T, Hq * D]` and k `[1, T, Hk * D]` rotated as `apply_rotary_pos_emb` rotates their
+        `[1, H, T, D]` views; returned as those views. The caller asked `rope_fits` first."""
+        rows = q.shape[1]
+        qo, ko = self._rope_c(q, k, cos, sin, head_dim)
+        return (qo.view(1, rows, -1, head_dim).transpose(1, 2), ko.view(1, rows, -1, head_dim).transpose(1, 2))
+
+    def _check_rope(self, heads: int, kv_heads: int, head_dim: int) -> Verdict:
+        if head_dim % 2:
+            return Verdict(False, "torch: an odd head_dim", {})
+        gen = torch.Generator().manual_seed(heads * 1000 + kv_heads * 10 + head_dim)
+        with torch.inference_mode():
+            for rows in PROBE_ROWS:
+                q = torch.randn(1, rows, heads * head_dim, generator=gen)
+                k = torch.randn(1, rows, kv_heads * head_dim, generator=gen)
+                angle = torch.rand(1, rows, head_dim, generator=gen) * 1000
+                cos, sin = angle.cos(), angle.sin()
+                view = lambda t: t.view(1, rows, -1, head_dim).transpose(1, 2)  # noqa: E731
+                want_q, want_k = self.rotate(view(q), view(k), cos, sin)
+                got_q, got_k = self.rope(q, k, cos, sin, head_dim)
+                if not (torch.equal(got_q, want_q) and torch.equal(got_k, want_k)):
+                    return Verdict(False, "torch: the kernel's rotation differs from apply_rotary_pos_emb "
+                                   f"at {rows} rows", {})
+        return Verdict(True, f"kernel: bit-identical to apply_rotary_pos_emb on {len(PROBE_ROWS)} probes",
+                       {"probe_rows": list(PROBE_ROWS)})
