@@ -152,8 +152,8 @@ class LayerOps:
                 k = torch.randn(1, rows, kv_heads * head_dim, generator=gen)
                 angle = torch.rand(1, rows, head_dim, generator=gen) * 1000
                 cos, sin = angle.cos(), angle.sin()
-                view = lambda t: t.view(1, rows, -1, head_dim).transpose(1, 2)  # noqa: E731
-                want_q, want_k = self.rotate(view(q), view(k), cos, sin)
+                want_q, want_k = self.rotate(q.view(1, rows, -1, head_dim).transpose(1, 2),
+                                             k.view(1, rows, -1, head_dim).transpose(1, 2), cos, sin)
                 got_q, got_k = self.rope(q, k, cos, sin, head_dim)
                 if not (torch.equal(got_q, want_q) and torch.equal(got_k, want_k)):
                     return Verdict(False, "torch: the kernel's rotation differs from apply_rotary_pos_emb "
