@@ -124,27 +124,36 @@ def test_replay_of_a_fast_trace_reruns_fast_and_diff_says_which_side_was_not_exa
     assert kernels_note("exact", None) == [] and kernels_note(None, None) == []
 
 
+SCORED = SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=True, top_logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def exact_scored(smollm2) -> tuple[list[list[int]], list[int], list]:
+    """Exact mode's greedy continuations of 16 chat prompts (48 tokens) and exact's own
+    prompt logprobs over them: what both fast modes are compared with (computed once)."""
+    from benchmarks.throughput import chat_prompts
+
+    with Engine(smollm2, trace_level="off") as engine:
+        outs = engine.generate(chat_prompts(16), SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True))
+        seqs = [o.prompt_token_ids + o.token_ids for o in outs]
+        scored = [o.prompt_logprobs for o in engine.generate(seqs, SCORED)]
+    return seqs, [len(o.prompt_token_ids) for o in outs], scored
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kernels, min_agree, max_margin, max_dlogprob",
                          [("fast", 0.98, 0.1, 0.25), ("fast-int8", 0.95, 0.35, 0.5)])
-def test_fast_modes_stay_close_to_exact_on_smollm2(smollm2, kernels, min_agree, max_margin, max_dlogprob) -> None:
+def test_fast_modes_stay_close_to_exact_on_smollm2(smollm2, exact_scored, kernels, min_agree, max_margin,
+                                                   max_dlogprob) -> None:
     """Teacher-forced on exact's own greedy continuations (16 chat prompts x 48 tokens): the fast
     mode's top-1 is exact's token at nearly every position, nine in ten of the positions where it
     is not were near ties for exact (top-2 margin under `max_margin` nats), and the logprob of
     exact's token moves little. Measured 2026-12-02 on an AMD EPYC (AVX512-BF16): fast 763/768
     agree, all 5 margins <= 0.066, |dlogprob| <= 0.14; fast-int8 743/768, 22 of 25 margins <= 0.15,
     the others 0.31, 0.33 and 0.95, |dlogprob| <= 0.39."""
-    from benchmarks.throughput import chat_prompts
-
-    with Engine(smollm2, trace_level="off") as engine:
-        outs = engine.generate(chat_prompts(16), SamplingParams(temperature=0, max_new_tokens=48, ignore_eos=True))
-    seqs = [o.prompt_token_ids + o.token_ids for o in outs]
-    starts = [len(o.prompt_token_ids) for o in outs]
-    scored = SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=True, top_logprobs=2)
-    runs = {}
-    for mode in ("exact", kernels):
-        with Engine(smollm2, trace_level="off", kernels=mode) as engine:
-            runs[mode] = [o.prompt_logprobs for o in engine.generate(seqs, scored)]
+    seqs, starts, exact = exact_scored
+    with Engine(smollm2, trace_level="off", kernels=kernels) as engine:
+        runs = {"exact": exact, kernels: [o.prompt_logprobs for o in engine.generate(seqs, SCORED)]}
     agree, total, margins, worst = 0, 0, [], 0.0
     for ex, fa, start in zip(runs["exact"], runs[kernels], starts):
         for e, f in zip(ex[start:], fa[start:]):
