@@ -171,6 +171,16 @@ def test_the_check_sees_a_missing_attention_keyword_that_changes_no_number_yet(m
     assert "layer 0's attention keywords" in report["why"] and "'sliding_window'" in report["why"]
 
 
+def test_the_direct_forward_does_not_make_the_runner_reread_the_models_structure(fresh, monkeypatch):
+    # transformers' `self.layers[:n]` builds a new ModuleList, whose add_module calls count as
+    # submodule assignments: a direct forward that did so made every next step re-check the model
+    asked = []
+    refusal = exact_forward.refusal
+    monkeypatch.setattr(exact_forward, "refusal", lambda model: asked.append(1) or refusal(model))
+    _, report = _run(fresh, True)
+    assert report["forwards"]["direct"] > 10 and len(asked) <= 1, (report["forwards"], len(asked))
+
+
 def test_a_passed_check_is_kept_for_the_next_load_of_the_same_model(monkeypatch, tmp_path):
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))  # the model, its probe and check files all here
     monkeypatch.delenv("WORKBENCH_REPLACEMENTS", raising=False)

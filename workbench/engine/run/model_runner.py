@@ -14,6 +14,7 @@ Does not own: KV allocation (forward_batch.py), sampling, or any verdict (kernel
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -148,7 +149,7 @@ class ModelRunner:
         hidden = inner.embed_tokens(fb.input_ids.unsqueeze(0))
         pos = fb.positions.unsqueeze(0)
         rope = inner.rotary_emb(hidden, position_ids=pos)
-        for layer in inner.layers[: fb.layer_limit]:
+        for layer in itertools.islice(inner.layers, fb.layer_limit):  # no new ModuleList (exact_forward.forward)
             hidden = layer(hidden, attention_mask=None, position_embeddings=rope, position_ids=pos,
                            forward_batch=fb)
             if isinstance(hidden, tuple):
