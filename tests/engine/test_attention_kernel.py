@@ -153,3 +153,31 @@ def test_the_attention_kernel_runs_for_several_rows_only_within_sdpas_error_and_
     # "inf": some probe was not bit-identical
     assert exact.ok == (exact.facts["kernel_error"] != "inf" and math.isfinite(exact.facts["kernel_error"]))
     assert book.report()["switch"] == "WORKBENCH_REPLACEMENTS=exact"
+
+
+def test_one_request_on_consecutive_slots_reads_the_pool_in_place_with_the_gathers_bits(smollm2, monkeypatch):
+    """Batch 1 attends through sdpa where the C kernel is not bit-identical to it; its KV slots are
+    then usually consecutive, and the pool's slice stands in for the gathered copy (the same values
+    in the same strides): tokens and logprobs must not change."""
+    from workbench.engine.run import forward_batch
+
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True, logprobs=True, top_logprobs=3)
+    runs = []
+    plan = forward_batch._decode_plan
+
+    def recorded(*a, **kw):
+        meta = plan(*a, **kw)
+        runs.append(meta.decode_run is not None)
+        return meta
+
+    monkeypatch.setattr(forward_batch, "_decode_plan", recorded)
+    with Engine(smollm2, trace_level="off") as engine:
+        in_place = engine.generate(["The tide came in slowly over the"], params)[0]
+    assert sum(runs) >= 10  # the decode steps read the slice
+    monkeypatch.setattr(forward_batch, "_decode_plan",
+                        lambda *a, **kw: setattr(meta := plan(*a, **kw), "decode_run", None) or meta)
+    with Engine(smollm2, trace_level="off") as engine:
+        gathered = engine.generate(["The tide came in slowly over the"], params)[0]
+    assert in_place.token_ids == gathered.token_ids
+    assert [(t.logprob, t.top_logprobs) for t in in_place.logprobs] == \
+        [(t.logprob, t.top_logprobs) for t in gathered.logprobs]

@@ -118,8 +118,13 @@ def _decode(meta, kv, layer: int, query: torch.Tensor, out: torch.Tensor, scale:
     q = q.unsqueeze(2)  # [Bd, H, 1, D]
     idx = meta.decode_kv_idx  # [Bd, L]; index_select is ~3x faster than advanced indexing here
     shape = (*idx.shape, *kv.k[layer].shape[1:])
-    k = kv.k[layer].index_select(0, idx.reshape(-1)).view(shape).transpose(1, 2)  # [Bd, KVH, L, D]
-    v = kv.v[layer].index_select(0, idx.reshape(-1)).view(shape).transpose(1, 2)
+    if meta.decode_run is not None:  # one row on consecutive slots: the pool's slice is the gather's copy
+        run = slice(meta.decode_run, meta.decode_run + idx.shape[1])
+        k = kv.k[layer][run].view(shape).transpose(1, 2)  # [1, KVH, L, D], the gather's strides
+        v = kv.v[layer][run].view(shape).transpose(1, 2)
+    else:
+        k = kv.k[layer].index_select(0, idx.reshape(-1)).view(shape).transpose(1, 2)  # [Bd, KVH, L, D]
+        v = kv.v[layer].index_select(0, idx.reshape(-1)).view(shape).transpose(1, 2)
     mask = meta.decode_mask
     if idx.shape[0] == 1 and window is None and softcap is None and sinks is None:
         # one row has no padding: attend unmasked, as transformers' own decode step does (the same bits as

@@ -48,6 +48,9 @@ class AttentionMeta:
     decode_kv_idx: torch.Tensor | None  # [num_decode, max_len] KV slots, 0-padded
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_len] bool, True = attend
     decode_lens: torch.Tensor | None  # [num_decode] int64 KV length of each decode row
+    # one decode row whose KV slots are first, first + 1, ...: that first slot (attention reads the
+    # pool's slice in place of a gathered copy: the same values in the same layout), else None
+    decode_run: int | None = None
 
 
 @dataclass(slots=True)
@@ -141,4 +144,9 @@ def _decode_plan(rows: list[RowSpec], seq_lens: list[int], table: torch.Tensor, 
     table[pool_idx, lens - 1] = new_slots.to(table.device)  # position prefix_len = seq_len - 1
     valid = torch.arange(max_len, device=table.device)[None, :] < lens[:, None]  # [B, L]
     kv_idx = table[pool_idx, :max_len] * valid  # padded positions read slot 0
-    return AttentionMeta(extend_rows, decode_start, kv_idx, valid[:, None, None, :], lens)
+    run = None
+    if len(rows) == 1:
+        first = int(kv_idx[0, 0])
+        if max_len == 1 or (int(kv_idx[0, -1]) == first + max_len - 1 and bool((kv_idx[0].diff() == 1).all())):
+            run = first
+    return AttentionMeta(extend_rows, decode_start, kv_idx, valid[:, None, None, :], lens, run)
