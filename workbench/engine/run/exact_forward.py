@@ -203,11 +203,14 @@ _ops: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionar
 def _layer_ops(model: torch.nn.Module, rotate) -> Any:
     """The model's fused norm and rotation (kernels/layer_ops.py), None where the C kernels or the
     model's dtype rule them out; each op is still used only where its own check passed."""
-    if model not in _ops:
+    ops = _ops.get(model)
+    if ops is None:  # asked again while None: the C kernels may be switched back on (native.c_kernels_off)
         from workbench.engine.kernels.layer_ops import LayerOps
 
-        _ops[model] = LayerOps.for_model(model, rotate)
-    return _ops[model]
+        ops = LayerOps.for_model(model, rotate)
+        if ops is not None:
+            _ops[model] = ops
+    return ops
 
 
 _verify_lock = threading.Lock()
