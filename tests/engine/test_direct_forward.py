@@ -182,20 +182,23 @@ def test_the_direct_forward_does_not_make_the_runner_reread_the_models_structure
 
 
 def test_a_passed_check_is_kept_for_the_next_load_of_the_same_model(monkeypatch, tmp_path):
-    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))  # the model, its probe and check files all here
+    from workbench.models.loader import resolve_folder
+
+    folder = str(resolve_folder("tiny-random")[0])  # from the usual cache, not rebuilt under tmp_path
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))  # its probe and check files all here
     monkeypatch.delenv("WORKBENCH_REPLACEMENTS", raising=False)
     checks = []
     verify = exact_forward.verify
     monkeypatch.setattr(exact_forward, "verify", lambda *a, **kw: checks.append(1) or verify(*a, **kw))
-    _, first = _run(load_model("tiny-random", device="cpu"), True)
+    _, first = _run(load_model(folder, device="cpu"), True)
     assert first["used"] and first["source"] == "checked in this process" and first["check_seconds"] > 0
     assert len(checks) == 1
-    again = load_model("tiny-random", device="cpu")  # another model object: its own verdict, from the file
+    again = load_model(folder, device="cpu")  # another model object: its own verdict, from the file
     _, second = _run(again, True)
     assert second["used"] and second["source"].startswith("cached from 20") and len(checks) == 1  # no check ran
     assert second["forwards"]["direct"] > 0
     monkeypatch.setenv("WORKBENCH_REPLACEMENTS", "fresh")
-    _, third = _run(load_model("tiny-random", device="cpu"), True)
+    _, third = _run(load_model(folder, device="cpu"), True)
     assert third["source"] == "checked in this process" and len(checks) == 2
 
 
