@@ -1,11 +1,11 @@
 """Speculative sampling keeps the target's distribution: tested, not assumed.
 
-Engine level (tiny-random-sp, vocabulary 400): 4,000 seeded requests sample their first tokens with
+Engine level (tiny-random-sp, vocabulary 400): 2,500 seeded requests sample their first tokens with
 and without speculation; a chi-square test on each position finds no difference (p > 0.001), at
 temperature 1 and with top-p, and it does find one when the acceptance rule is deliberately wrong.
 The drafter is a flatter copy of the target (its head scaled by 0.5, so q = the target at
 temperature 2): about two thirds of the drafts are accepted, so accepted, recovered and bonus
-tokens all occur often; the wrong rule's p-values are below 1e-200 at this size, far inside the
+tokens all occur often; the wrong rule's p-values are below 1e-130 at this size, far inside the
 test's power. (A one-layer early exit of this random model is nearly one-hot on a token
 the target rarely picks: it would test little but the recovery path.)
 Unit level: `verify_sampled` against a known p, for a drafter distribution q and for the n-gram
@@ -25,7 +25,7 @@ from workbench.engine.sample.sampling_params import SamplingParams
 from workbench.engine.sched.request import Req
 from workbench.engine.speculative.verify import sampler_draw, verify_sampled
 
-N = 4_000
+N = 2_500
 GROUP = 125  # requests with n=GROUP siblings share one prompt prefill
 POSITIONS = 4  # output positions compared: the prefill's token, then k = 2 drafts verified and one more
 PROMPT = "The quick brown fox"
