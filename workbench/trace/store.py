@@ -27,6 +27,10 @@ from workbench.trace.format import (
 )
 
 MAX_BATCH = 4096  # queue items per transaction, so one commit never grows without bound
+# after the first queued item the writer waits this long for more (cut short by flush and close):
+# one transaction per ~0.1 s instead of one per decode step, whose fixed cost competed with the
+# engine's threads for the CPU at batch 1
+COALESCE_S = 0.1
 
 
 class TraceWriter:
@@ -48,6 +52,7 @@ class TraceWriter:
         create_schema(conn, dict(meta or {}))
         self._conn = conn
         self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._urgent = threading.Event()  # a flush or close is waiting: commit now
         self._closed = False
         self.error: BaseException | None = None
         self.num_events = 0
@@ -82,6 +87,7 @@ class TraceWriter:
         if not self._closed:
             done = threading.Event()
             self._queue.put(("flush", done))
+            self._urgent.set()
             while not done.wait(0.05):
                 if not self._thread.is_alive():
                     break
@@ -94,6 +100,7 @@ class TraceWriter:
         self.set_meta("finished", True)
         self._closed = True
         self._queue.put(("stop",))
+        self._urgent.set()
         self._thread.join()
         atexit.unregister(self.close)
         self._finish_file()
@@ -118,6 +125,9 @@ class TraceWriter:
     def _run(self) -> None:
         while True:
             items = [self._queue.get()]
+            if items[0][0] not in ("flush", "stop"):
+                self._urgent.wait(COALESCE_S)
+            self._urgent.clear()
             while len(items) < MAX_BATCH:
                 try:
                     items.append(self._queue.get_nowait())
