@@ -36,6 +36,11 @@ def _probes(n: int, seed: int) -> list[torch.Tensor]:
             for rows in PROBE_ROWS]
 
 
+def _heads(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """`[1, T, H * D]` as the `[1, H, T, D]` view transformers' attention takes."""
+    return t.view(1, t.shape[1], -1, head_dim).transpose(1, 2)
+
+
 def _norm_key(module: torch.nn.Module) -> tuple:
     return (type(module).__qualname__, int(module.weight.shape[0]), float(module.variance_epsilon))
 
@@ -95,12 +100,17 @@ class LayerOps:
         if module.weight.dtype != torch.float32 or not hasattr(module, "variance_epsilon"):
             return Verdict(False, "torch: not a float32 RMSNorm with variance_epsilon", {})
         probes = _probes(n, n)
+
+        def matches(lanes: int) -> bool:  # the residual add and the norm, on every probe
+            for p in probes:
+                h, out = self._norm_c(module, p, p.flip(1), lanes)
+                if not (torch.equal(h, p + p.flip(1)) and torch.equal(out, module.forward(p + p.flip(1)))):
+                    return False
+            return True
+
         with torch.inference_mode():
-            wanted = [(module.forward(p + p.flip(1)), p + p.flip(1)) for p in probes]
             for lanes in NORM_LANES:
-                if all(torch.equal(h, hc) and torch.equal(ref, out)
-                       for (ref, h), p in zip(wanted, probes)
-                       for hc, out in [self._norm_c(module, p, p.flip(1), lanes)]):
+                if matches(lanes):
                     return Verdict(True, f"kernel: bit-identical to {type(module).__name__}.forward and the residual "
                                    f"add on {len(probes)} probes, torch's sum at {lanes} lanes",
                                    {"lanes": lanes, "probe_rows": list(PROBE_ROWS)})
@@ -138,9 +148,8 @@ class LayerOps:
              head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q `[1, T, Hq * D]` and k `[1, T, Hk * D]` rotated as `apply_rotary_pos_emb` rotates their
         `[1, H, T, D]` views; returned as those views. The caller asked `rope_fits` first."""
-        rows = q.shape[1]
         qo, ko = self._rope_c(q, k, cos, sin, head_dim)
-        return (qo.view(1, rows, -1, head_dim).transpose(1, 2), ko.view(1, rows, -1, head_dim).transpose(1, 2))
+        return _heads(qo, head_dim), _heads(ko, head_dim)
 
     def _check_rope(self, heads: int, kv_heads: int, head_dim: int) -> Verdict:
         if head_dim % 2:
@@ -152,8 +161,7 @@ class LayerOps:
                 k = torch.randn(1, rows, kv_heads * head_dim, generator=gen)
                 angle = torch.rand(1, rows, head_dim, generator=gen) * 1000
                 cos, sin = angle.cos(), angle.sin()
-                want_q, want_k = self.rotate(q.view(1, rows, -1, head_dim).transpose(1, 2),
-                                             k.view(1, rows, -1, head_dim).transpose(1, 2), cos, sin)
+                want_q, want_k = self.rotate(_heads(q, head_dim), _heads(k, head_dim), cos, sin)
                 got_q, got_k = self.rope(q, k, cos, sin, head_dim)
                 if not (torch.equal(got_q, want_q) and torch.equal(got_k, want_k)):
                     return Verdict(False, "torch: the kernel's rotation differs from apply_rotary_pos_emb "

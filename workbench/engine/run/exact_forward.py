@@ -183,18 +183,15 @@ def forward(model: torch.nn.Module, fb: Any, layers: int | None = None) -> torch
             hidden = residual + hidden
         else:
             hidden, pending = residual, hidden
-    if layers is not None or ops is None:
-        if pending is not None:
-            hidden = hidden + pending
-        if layers is not None:
-            return model.lm_head.forward(inner.norm.forward(hidden[:, fb.logits_rows]))[0].float()
-        hidden = inner.norm.forward(hidden)
-    else:  # each row's norm is its own: only the kept rows are added and normed
-        rows = fb.logits_rows
+    rows = fb.logits_rows
+    if ops is not None:  # each row's norm is its own: only the kept rows are added and normed
         _, hidden = ops.norm(inner.norm, hidden[:, rows], None if pending is None else pending[:, rows])
         return model.lm_head.forward(hidden)[0].float()
+    if layers is not None:
+        return model.lm_head.forward(inner.norm.forward(hidden[:, rows]))[0].float()
+    hidden = inner.norm.forward(hidden)
     # LlamaForCausalLM.forward: slice_logits_to_keep with a 1-D index tensor, then the head
-    return model.lm_head.forward(hidden[:, fb.logits_rows, :])[0].float()
+    return model.lm_head.forward(hidden[:, rows, :])[0].float()
 
 
 _ops: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()

@@ -147,6 +147,6 @@ def _decode_plan(rows: list[RowSpec], seq_lens: list[int], table: torch.Tensor, 
     run = None
     if len(rows) == 1:
         first = int(kv_idx[0, 0])
-        if max_len == 1 or (int(kv_idx[0, -1]) == first + max_len - 1 and bool((kv_idx[0].diff() == 1).all())):
+        if int(kv_idx[0, -1]) == first + max_len - 1 and bool((kv_idx[0].diff() == 1).all()):
             run = first
     return AttentionMeta(extend_rows, decode_start, kv_idx, valid[:, None, None, :], lens, run)
