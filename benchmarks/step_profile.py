@@ -85,6 +85,7 @@ def instrument(engine, timers: Timers) -> contextlib.ExitStack:
     stack.enter_context(patched(engine.outputs, "process_token", timers.wrap("output", engine.outputs.process_token)))
     stack.enter_context(patched(engine.scheduler, "schedule", timers.wrap("schedule", engine.scheduler.schedule)))
     stack.enter_context(patched(gemm.PackedLinear, "__call__", timers.wrap("gemm", gemm.PackedLinear.__call__)))
+    stack.enter_context(patched(gemm.RowdotGroup, "__call__", timers.wrap("gemm", gemm.RowdotGroup.__call__)))
     from workbench.engine.run import fastmode
 
     for cls in (fastmode.FastLinear, fastmode.FastMLP):  # fast mode's GEMMs (they call PackedLinear when off)

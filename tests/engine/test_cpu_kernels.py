@@ -23,15 +23,15 @@ NO_MKL = "PACKED GEMM NOT CHECKED: this torch has no MKL packed sgemm"
 
 def _count_calls(monkeypatch, method: str = "compute") -> list[int]:
     """The row counts of every call to PackedLinear.`method` (compute: packed, split_compute: split,
-    rowdot_compute: the one-row kernel in its checked order; its check's tries of other orders are
-    not counted)."""
+    rowdot_compute: the one-row kernel in its checked order; its check's tries of other orders and
+    the race's calls on copies of the weight are not counted)."""
     calls: list[int] = []
     compute = getattr(gemm.PackedLinear, method)
 
-    def counted(self, x2, *order):
-        if not order:
+    def counted(self, x2, *order, **kw):
+        if not order and not kw:
             calls.append(x2.shape[0])
-        return compute(self, x2, *order)
+        return compute(self, x2, *order, **kw)
 
     monkeypatch.setattr(gemm.PackedLinear, method, counted)
     return calls
@@ -214,6 +214,36 @@ def test_the_one_row_kernel_gives_f_linears_bits_in_the_order_it_found(monkeypat
         assert torch.equal(fast(x[None] * 3), plain(x[None] * 3))  # [1, 1, in] the same
     assert len(calls) == 2 * sum(v.ok for v in verdicts.values())
     assert [m.forward.route(1) == gemm.ROWDOT for m in fast] == [verdicts[m.in_features].ok for m in fast]
+
+
+@pytest.mark.skipif(native.mkl() is None or native.load() is None, reason=NO_MKL + " or no C compiler")
+def test_layers_reading_one_row_in_one_call_give_each_layers_own_bits(monkeypatch, torch_threads):
+    # The direct forward's q/k/v (and gate/up) at batch 1: one call of the group kernel gives each
+    # layer exactly F.linear's bits, a bias included; where one layer's own route is not the one-row
+    # kernel the group steps aside (None) and each layer runs its own.
+    _fixed_race(monkeypatch, {gemm.ROWDOT: 1.0, gemm.SPLIT: 2.0, gemm.LINEAR: 3.0})
+    torch_threads(2)
+    torch.manual_seed(5)
+    layers = [torch.nn.Linear(576, n, bias=b).eval() for n, b in ((576, False), (192, True), (200, False))]
+    plain = [torch.nn.Linear(576, m.out_features, bias=m.bias is not None) for m in layers]
+    for p, m in zip(plain, layers, strict=True):
+        p.load_state_dict(m.state_dict())
+    gemm.pack_linears(torch.nn.Sequential(*layers), book=Book())
+    group = gemm.RowdotGroup()
+    x = torch.randn(1, 1, 576) * 3
+    with torch.inference_mode():
+        assert all(m.forward.route(1) == gemm.ROWDOT for m in layers)
+        got = group(layers, x)
+        assert got is not None and [y.shape for y in got] == [(1, 1, 576), (1, 1, 192), (1, 1, 200)]
+        for y, p in zip(got, plain, strict=True):
+            assert torch.equal(y, p(x))
+        with torch.no_grad():  # a weight replaced in place keeps its pointer; a new one is picked up
+            layers[1].weight = torch.nn.Parameter(layers[1].weight * 2)
+            plain[1].weight = torch.nn.Parameter(plain[1].weight * 2)
+        assert torch.equal(group(layers, x)[1], plain[1](x))
+        layers[2].forward._routes[(1, torch.get_num_threads())] = None  # this layer's route: F.linear
+        assert group(layers, x) is None
+        assert group(layers[:2], torch.randn(2, 576)) is None  # two rows: not the one-row kernel's
 
 
 @pytest.mark.skipif(native.mkl() is None or native.load() is None, reason=NO_MKL + " or no C compiler")

@@ -31,10 +31,18 @@ LINEAR = "F.linear"  # the op they replace, which the race also enters
 # where each may run (PackedLinear.route): split at 1-64 rows, packed at 16-256
 PACKED_MIN_ROWS, PACKED_MAX_ROWS, SPLIT_MAX_ROWS = 16, 256, 64
 LOAD_TIME_ROWS = (1, 16, 32)  # decode batch sizes checked before the first request (the rest on first use)
-RACE_REPEATS = 3  # timed calls per entrant (after one untimed), the best one counts
-# Before each timed call the race writes this many bytes (more than the L3 of these machines), so the
-# weight comes from memory as in a decode step, which reads every other layer's weights in between;
-# timed cache-hot, a kernel that wins on a hot weight can lose the real step (blocked vs split at 8 rows)
+RACE_REPEATS = 3  # timed rounds per entrant (after one untimed call), the best one counts
+# Below PACKED_MIN_ROWS the GEMM only streams its weight, and what a decode step sees is that weight
+# read among the model's others: the race sweeps each entrant over a ring of copies of the weight as
+# long as the model's linear weights or this many bytes (twice the L3 of these machines), whichever
+# is less, so each call's weight was last read a ring ago, as in a step. One call on one weight right after an eviction is dominated by its first misses
+# (192x576 at one row: 50-80 us for the C kernel and for F.linear alike, against 20 and 43-47 us
+# a call in a sweep), which made the race pick F.linear where it is twice as slow in the step.
+RACE_RING_BYTES = 64 << 20
+# From PACKED_MIN_ROWS rows the GEMM is closer to compute bound and the packed entrant has its own
+# weight: one call per round on the layer's weight, with this many bytes written before it (more
+# than the L3) so the weight comes from memory; timed cache-hot, a kernel that wins on a hot weight
+# can lose the real step
 RACE_EVICT_BYTES = 64 << 20
 NAMES = {PACKED: "linear.packed", SPLIT: "linear.split", ROWDOT: "linear.rowdot", BLOCKED: "linear.blocked"}
 # The summation orders the one-row kernel can take (c/linear_rowdot.c), as (P, L, fma): the first P
@@ -149,21 +157,34 @@ def fastest(book: Book, packed: PackedLinear, rows: int, kinds: tuple[str, ...])
 def _race(packed: PackedLinear, rows: int, entrants: tuple[str, ...]) -> Verdict:
     module = packed.module
     x = _probe(rows, packed.in_features)
+    weight, bias = module.weight.detach(), module.bias
     run = {SPLIT: packed.split_compute, PACKED: packed.compute, ROWDOT: packed.rowdot_compute,
-           BLOCKED: packed.blocked_compute,
-           LINEAR: lambda x: F.linear(x, module.weight, module.bias)}
+           BLOCKED: packed.blocked_compute, LINEAR: lambda x, weight=weight: F.linear(x, weight, bias)}
     best = dict.fromkeys(entrants, float("inf"))
-    evict = torch.empty(RACE_EVICT_BYTES // 4)
     with torch.inference_mode():
         for kind in entrants:  # not counted: first-call costs (the packing itself) are not the kernel's speed
             _time(kind, run[kind], x)
-        for _ in range(RACE_REPEATS):
-            for kind in entrants:
-                evict.fill_(1.0)
-                best[kind] = min(best[kind], _time(kind, run[kind], x))
+        if rows < PACKED_MIN_ROWS:  # a sweep over a ring of copies, as a decode step streams the weights
+            ring_bytes = min(RACE_RING_BYTES, packed.model_bytes or RACE_RING_BYTES)
+            ring = [weight, *(weight.clone() for _ in range(-(-ring_bytes // _nbytes(weight)) - 1))]
+            sweeps = {kind: lambda x, fn=run[kind]: [fn(x, weight=w) for w in ring] for kind in entrants}
+            for _ in range(RACE_REPEATS):
+                for kind in entrants:
+                    best[kind] = min(best[kind], _time(kind, sweeps[kind], x) / len(ring))
+            del ring, sweeps
+        else:
+            evict = torch.empty(RACE_EVICT_BYTES // 4)
+            for _ in range(RACE_REPEATS):
+                for kind in entrants:
+                    evict.fill_(1.0)
+                    best[kind] = min(best[kind], _time(kind, run[kind], x))
     winner = min(entrants, key=best.__getitem__)
     ms = {k: round(t * 1e3, 4) for k, t in best.items()}
     return Verdict(winner != LINEAR, f"{winner} ran fastest", {"winner": winner, "ms": ms})
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _time(kind: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
@@ -211,6 +232,7 @@ class PackedLinear:
         self.nbytes = lib.cblas_sgemm_pack_get_size(_B_MATRIX, 64, self.out_features, self.in_features)
         self.packed: torch.Tensor | None = None  # packed by `_pack` when first needed
         self.calls_in_range = 0
+        self.model_bytes = 0  # the linear weights of the model this layer is in (pack_linears), 0: unknown
         self._split: tuple[int, int, torch.Tensor] | None = None  # (parts, weight pointer, weight view)
         self.rowdot_order: tuple[int, int, bool] | None = None  # the checked order (linear_ok ROWDOT sets it)
         self.blocked_orders: dict[int, tuple[int, bool]] = {}  # rows -> the blocked kernel's checked order
@@ -250,32 +272,38 @@ class PackedLinear:
         parts = torch.get_num_threads()
         return parts > 1 and self.out_features % parts == 0
 
-    def split_compute(self, x2: torch.Tensor) -> torch.Tensor:
+    def split_compute(self, x2: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """`x2 [rows, in] -> [rows, out]` as one GEMM per thread, each over a slice of the weight's
         output rows (`torch.bmm` runs the slices in parallel), unchecked (`linear_ok` checks it).
-        The weight is not copied: the slices are a view of it."""
+        The weight is not copied: the slices are a view of it. `weight`: another of the same shape
+        (the race's copies) instead of the layer's."""
         parts, module = torch.get_num_threads(), self._module()
-        weight, rows, n = module.weight.detach(), x2.shape[0], self.out_features
-        if self._split is None or self._split[:2] != (parts, weight.data_ptr()):  # a new thread count or weight
-            self._split = (parts, weight.data_ptr(), weight.view(parts, n // parts, self.in_features).transpose(1, 2))
+        rows, n = x2.shape[0], self.out_features
+        if weight is not None:
+            sliced = weight.view(parts, n // parts, self.in_features).transpose(1, 2)
+        else:
+            weight = module.weight.detach()
+            if self._split is None or self._split[:2] != (parts, weight.data_ptr()):  # a new thread count or weight
+                self._split = (parts, weight.data_ptr(), weight.view(parts, n // parts, self.in_features).transpose(1, 2))
+            sliced = self._split[2]
         x3 = x2.contiguous().unsqueeze(0).expand(parts, rows, self.in_features)
         bias = module.bias
-        y = torch.bmm(x3, self._split[2]) if bias is None else \
-            torch.baddbmm(bias.detach().view(parts, 1, n // parts), x3, self._split[2])
+        y = torch.bmm(x3, sliced) if bias is None else torch.baddbmm(bias.detach().view(parts, 1, n // parts), x3, sliced)
         return y.transpose(0, 1).reshape(rows, n)  # [parts, rows, n/parts] -> [rows, n]
 
     def rowdot_compute(self, x2: torch.Tensor, order: tuple[int, int, bool] | None = None,
-                       out_rows: int | None = None) -> torch.Tensor | None:
+                       out_rows: int | None = None, weight: torch.Tensor | None = None) -> torch.Tensor | None:
         """`x2 [1, in] -> [1, out]` through the one-row C kernel in summation `order` (default: the
         checked one), over the weight's first `out_rows` rows (default all), unchecked (`linear_ok`
-        checks it). None where the C kernels are unavailable."""
+        checks it); `weight`: another of the same shape instead of the layer's (the race's copies).
+        None where the C kernels are unavailable."""
         lib, module = native.load(), self._module()
         order = order or self.rowdot_order
         if lib is None or order is None:
             return None
         n = self.out_features if out_rows is None else out_rows
         x2 = x2.contiguous()
-        weight, bias = module.weight.detach(), module.bias
+        weight, bias = module.weight.detach() if weight is None else weight, module.bias
         y = torch.empty((1, n), dtype=torch.float32)
         p, lanes, fma = order
         rc = lib.wb_linear_rowdot(weight.data_ptr(), x2.data_ptr(), None if bias is None else bias.data_ptr(),
@@ -283,10 +311,11 @@ class PackedLinear:
         return None if rc else y
 
     def blocked_compute(self, x2: torch.Tensor, order: tuple[int, bool] | None = None,
-                        out_cols: int | None = None) -> torch.Tensor | None:
+                        out_cols: int | None = None, weight: torch.Tensor | None = None) -> torch.Tensor | None:
         """`x2 [rows, in] -> [rows, out]` through the blocked C kernel in `order` (default: the one
         checked for this many rows), over the weight's first `out_cols` outputs (default all),
-        unchecked (`linear_ok` checks it). None where the C kernels are unavailable."""
+        unchecked (`linear_ok` checks it); `weight`: another of the same shape instead of the
+        layer's. None where the C kernels are unavailable."""
         lib, module = native.load(), self._module()
         rows = x2.shape[0]
         order = order or self.blocked_orders.get(rows)
@@ -294,7 +323,7 @@ class PackedLinear:
             return None
         n = self.out_features if out_cols is None else out_cols
         x2 = x2.contiguous()
-        weight, bias = module.weight.detach(), module.bias
+        weight, bias = module.weight.detach() if weight is None else weight, module.bias
         y = torch.empty((rows, n), dtype=torch.float32)
         kc, bias_first = order
         rc = lib.wb_linear_rows(x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
@@ -362,6 +391,45 @@ class PackedLinear:
         return self.compute(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
 
 
+class RowdotGroup:
+    """Linear layers that read the same one input row (a layer's q/k/v projections, its gate and up
+    projections) through one call of the one-row kernel (`wb_linear_rowdot_group`): each output is
+    the dot product `rowdot_compute` gives, so each layer's bits are its own checked ones, and the
+    small layers (192 rows) share one parallel region instead of paying one each. Only where every
+    member's route at one row is the one-row kernel (its check passed and it won its race) and their
+    orders and input widths agree; elsewhere `__call__` returns None and each layer runs its own
+    route."""
+
+    def __init__(self) -> None:
+        self._ptrs: tuple[int, ...] = ()
+        self._args: tuple = ()
+
+    def __call__(self, linears: list[torch.nn.Linear], x: torch.Tensor) -> list[torch.Tensor] | None:
+        packs = [m.forward for m in linears]
+        if not all(isinstance(p, PackedLinear) for p in packs) or x.dtype != torch.float32 \
+                or x.device.type != "cpu" or torch.is_grad_enabled():
+            return None
+        first = packs[0]
+        if x.numel() != first.in_features or any(p.route(1) != ROWDOT or p.rowdot_order != first.rowdot_order
+                                                 or p.in_features != first.in_features for p in packs):
+            return None
+        biases = [m.bias for m in linears]
+        ptrs = (*(m.weight.data_ptr() for m in linears), *(0 if b is None else b.data_ptr() for b in biases))
+        if ptrs != self._ptrs:  # first call, or a layer or weight replaced
+            self._args = (len(packs), (ctypes.c_void_p * len(packs))(*ptrs[:len(packs)]),
+                          (ctypes.c_void_p * len(packs))(*(p or None for p in ptrs[len(packs):])),
+                          (ctypes.c_int64 * len(packs))(*(p.out_features for p in packs)))
+            self._ptrs = ptrs
+        count, w_arr, b_arr, n_arr = self._args
+        x = x.contiguous()
+        ys = [torch.empty((*x.shape[:-1], p.out_features), dtype=torch.float32) for p in packs]
+        y_arr = (ctypes.c_void_p * count)(*(y.data_ptr() for y in ys))
+        p_, lanes, fma = first.rowdot_order
+        rc = native.load().wb_linear_rowdot_group(count, w_arr, b_arr, y_arr, n_arr, x.data_ptr(), first.in_features,
+                                                  p_, lanes, int(fma), torch.get_num_threads())
+        return None if rc else ys
+
+
 def pack_linears(model: torch.nn.Module, budget_bytes: int | None = None, book: Book = BOOK) -> int:
     """Route every CPU float32 `nn.Linear` of `model` through a PackedLinear (once per model).
     Returns the bytes the packed copies take once all are packed (each is packed when first needed),
@@ -379,8 +447,10 @@ def pack_linears(model: torch.nn.Module, budget_bytes: int | None = None, book: 
         budget_bytes = _available_memory() // 4
     if need > budget_bytes:
         return 0
+    weight_bytes = sum(_nbytes(m.weight) for m in linears)
     for m in linears:
         m.forward = PackedLinear(lib, m, book)
+        m.forward.model_bytes = weight_bytes
     verify_model([m.forward for m in linears])  # the common decode sizes now
     model._workbench_packed_bytes = need
     return need

@@ -106,6 +106,9 @@ def _load_c() -> ctypes.CDLL | None:
     rowdot = lib.wb_linear_rowdot
     rowdot.restype = ctypes.c_int
     rowdot.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
+    group = lib.wb_linear_rowdot_group
+    group.restype = ctypes.c_int
+    group.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int]
     norm = lib.wb_rms_norm
     norm.restype = ctypes.c_int
     norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]

@@ -30,7 +30,9 @@ _ALL = [
                 "(kernels/c/linear_rowdot.c)",
                 IDENTICAL, SHAPE_ROWS, MACHINE, GEMM, native=True,
                 note="one row (batch-1 decode); the orders are tried in turn on the layer's first 64 rows, "
-                     "the first that matches is checked on all of them (the order found is in facts)"),
+                     "the first that matches is checked on all of them (the order found is in facts); the "
+                     "direct forward computes layers that read the same row (q/k/v, gate/up) in one call "
+                     "where each one's own route is this kernel"),
     Replacement("linear.blocked", "F.linear (nn.Linear's forward) at 4-64 rows",
                 "a C GEMM in the blocked order that gives MKL's bits on this CPU (kernels/c/linear_rows.c)",
                 IDENTICAL, SHAPE_ROWS, MACHINE, GEMM, native=True,
@@ -41,8 +43,9 @@ _ALL = [
                 "linear.rowdot, linear.blocked)",
                 IDENTICAL, (*SHAPE_ROWS, "entrants"), MACHINE, GEMM, native=True,
                 note="every entrant is bit-identical, so the race can only change speed: timed on this "
-                     "CPU with the weight out of cache (64 MB written before each call), best of 3 calls each "
-                     "(ms in facts), the winner runs"),
+                     "CPU with the weight out of cache (below 16 rows a sweep over 64 MB of copies of the weight, "
+                     "as a decode step streams it; from 16 rows one call after 64 MB written), best of 3 rounds "
+                     "each (ms a call in facts), the winner runs"),
     Replacement("attention.decode_one_row",
                 "gather + scaled_dot_product_attention at one decode row (exactly transformers' attention)",
                 "the paged decode-attention C kernel (kernels/c/decode_attention.c)",

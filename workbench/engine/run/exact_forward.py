@@ -153,18 +153,17 @@ def forward(model: torch.nn.Module, fb: Any, layers: int | None = None) -> torch
         attn = layer.self_attn
         input_shape = hidden.shape[:-1]
         hidden_shape = (*input_shape, -1, attn.head_dim)
+        q, k, v = _project(attn, "q_proj", "k_proj", "v_proj", hidden)
         if fam.qk_norm:
-            q = attn.q_norm.forward(attn.q_proj.forward(hidden).view(hidden_shape)).transpose(1, 2)
-            k = attn.k_norm.forward(attn.k_proj.forward(hidden).view(hidden_shape)).transpose(1, 2)
+            q = attn.q_norm.forward(q.view(hidden_shape)).transpose(1, 2)
+            k = attn.k_norm.forward(k.view(hidden_shape)).transpose(1, 2)
             q, k = rotate(q, k, cos, sin)
+        elif ops is not None and ops.rope_fits(q.shape[-1] // attn.head_dim, k.shape[-1] // attn.head_dim,
+                                               attn.head_dim):
+            q, k = ops.rope(q, k, cos, sin, attn.head_dim)
         else:
-            q, k = attn.q_proj.forward(hidden), attn.k_proj.forward(hidden)
-            if ops is not None and ops.rope_fits(q.shape[-1] // attn.head_dim, k.shape[-1] // attn.head_dim,
-                                                 attn.head_dim):
-                q, k = ops.rope(q, k, cos, sin, attn.head_dim)
-            else:
-                q, k = rotate(q.view(hidden_shape).transpose(1, 2), k.view(hidden_shape).transpose(1, 2), cos, sin)
-        v = attn.v_proj.forward(hidden).view(hidden_shape).transpose(1, 2)
+            q, k = rotate(q.view(hidden_shape).transpose(1, 2), k.view(hidden_shape).transpose(1, 2), cos, sin)
+        v = v.view(hidden_shape).transpose(1, 2)
         if fam.window == "layer":
             window = {"sliding_window": attn.sliding_window}
         out, _ = attend(attn, q, k, v, None, dropout=0.0, scaling=attn.scaling, **window, position_ids=pos,
@@ -178,7 +177,8 @@ def forward(model: torch.nn.Module, fb: Any, layers: int | None = None) -> torch
             residual, hidden = ops.norm(layer.post_attention_layernorm, residual, attn.o_proj.forward(out))
         # LlamaMLP.forward
         mlp = layer.mlp
-        hidden = mlp.down_proj.forward(mlp.act_fn.forward(mlp.gate_proj.forward(hidden)) * mlp.up_proj.forward(hidden))
+        gate, up = _project(mlp, "gate_proj", "up_proj", hidden)
+        hidden = mlp.down_proj.forward(mlp.act_fn.forward(gate) * up)
         if ops is None:
             hidden = residual + hidden
         else:
@@ -192,6 +192,25 @@ def forward(model: torch.nn.Module, fb: Any, layers: int | None = None) -> torch
     hidden = inner.norm.forward(hidden)
     # LlamaForCausalLM.forward: slice_logits_to_keep with a 1-D index tensor, then the head
     return model.lm_head.forward(hidden[:, rows, :])[0].float()
+
+
+_groups: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _project(owner: torch.nn.Module, *names_and_input: Any) -> list[torch.Tensor]:
+    """`owner.NAME.forward(x)` for each named linear layer of `owner` (its q/k/v projections, its gate
+    and up ones), in one call of the one-row kernel where each layer's own route is that kernel
+    (kernels/gemm.py RowdotGroup: the same bits as its own call), else one by one."""
+    *names, x = names_and_input
+    linears = [getattr(owner, n) for n in names]
+    out = None
+    if x.shape[-2] == 1:
+        if (group := _groups.get(owner)) is None:
+            from workbench.engine.kernels.gemm import RowdotGroup
+
+            group = _groups[owner] = RowdotGroup()
+        out = group(linears, x)
+    return out if out is not None else [m.forward(x) for m in linears]
 
 
 _ops: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()

@@ -122,3 +122,27 @@ int wb_linear_rowdot(const float *W, const float *x, const float *bias, float *y
     }
     return 0;
 }
+
+/* Several linear layers at the same input row in one call (the direct forward's q/k/v and gate/up
+ * projections), each exactly as wb_linear_rowdot computes it: layer i's outputs y[i][n] for its
+ * N[i] rows of W[i]. One parallel region for all of them: each thread takes its contiguous run of
+ * row blocks of every layer in turn, so a small layer (192 rows) does not pay a region of its own.
+ * Returns 0, or -1 as wb_linear_rowdot does. */
+int wb_linear_rowdot_group(int64_t count, const float *const *W, const float *const *bias, float *const *y,
+                           const int64_t *N, const float *x, int64_t K, int64_t P, int64_t L, int fma,
+                           int num_threads) {
+    if (P < -1 || (L != 4 && L != 8 && L != 16)) return -1;
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (int64_t i = 0; i < count; i++) {
+            const int64_t blocks = (N[i] + ROWS - 1) / ROWS;
+            const int64_t n0 = blocks * t / nt * ROWS, e = blocks * (t + 1) / nt * ROWS, n1 = e < N[i] ? e : N[i];
+            if (n0 >= n1) continue;
+            if (L == 4) rowdot_4(W[i], x, bias[i], y[i], n0, n1, K, P, fma);
+            else if (L == 8) rowdot_8(W[i], x, bias[i], y[i], n0, n1, K, P, fma);
+            else rowdot_16(W[i], x, bias[i], y[i], n0, n1, K, P, fma);
+        }
+    }
+    return 0;
+}
