@@ -1,7 +1,7 @@
 """The sampler's native kernels (engine/kernels/sampling.py): the inverse-CDF draw picks exactly
 the tokens its float64-cumsum formula picks, the rank count gives exactly the compare-and-count's
-ranks, the top-k gives torch.topk's values and ids in torch's tie order, and a kernel that differs
-is refused and the formula runs."""
+ranks, the top-k gives torch.topk's values and ids in torch's tie order, the argmax torch.argmax's
+index, and a kernel that differs is refused and the formula runs."""
 
 from __future__ import annotations
 
@@ -124,3 +124,46 @@ def test_a_top_k_kernel_with_another_tie_order_is_refused(monkeypatch):
     assert torch.equal(ids, x.topk(10, dim=-1)[1])  # torch.topk ran: the kernel was refused
     verdict = checks.tables["sample.topk"][()]
     assert not verdict.ok and verdict.facts["mismatches"] > 0
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+@pytest.mark.parametrize("vocab", [1, 7, 17, 1000, 49152])
+def test_the_greedy_pick_by_the_native_argmax_is_torch_argmaxs(vocab, monkeypatch):
+    # Every greedy token: ties for the maximum (the first wins), a NaN anywhere (the first NaN
+    # wins, as torch counts NaN the maximum), the tail past the last whole vector, +0 against -0,
+    # all -inf, +inf.
+    checks = Book()
+    monkeypatch.setattr(sample_kernels, "BOOK", checks)
+    gen = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(12, vocab, generator=gen) * 2).round()  # long runs of equal values
+    x[1, -1] = float("nan")
+    x[2, vocab // 2], x[2, -1] = float("nan"), float("nan")
+    x[3] = float("-inf")
+    x[4] = -x[4].abs() - 1
+    x[4, -1], x[4, 0] = 0.0, -0.0
+    x[5, -1] = float("inf")
+    x[6] = 5.0
+    x[7, -1] = x[7].max() + 1  # the maximum in the tail
+    got = sample_kernels.argmax(x)
+    assert got is not None and checks.tables["sample.argmax"][()].ok  # the kernel ran
+    assert torch.equal(got, x.argmax(dim=-1))
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+def test_an_argmax_kernel_that_picks_the_last_tie_is_refused(monkeypatch):
+    checks = Book()
+    monkeypatch.setattr(sample_kernels, "BOOK", checks)
+    real = sample_kernels._unchecked_argmax
+
+    def last_of_ties(x, per_row):
+        first = real(x, per_row)
+        flipped = real(x.flip(-1).contiguous(), per_row)
+        return torch.where(x.isnan().any(-1), first, x.shape[-1] - 1 - flipped)
+
+    monkeypatch.setattr(sample_kernels, "_unchecked_argmax", last_of_ties)
+    x = torch.randn(4, 1000).round()
+    assert sample_kernels.argmax(x) is None  # refused: first_argmax takes its torch path
+    from workbench.engine.sample.argmax import first_argmax
+    assert torch.equal(first_argmax(x), x.argmax(dim=-1))
+    verdict = checks.tables["sample.argmax"][()]
+    assert not verdict.ok and "differed" in verdict.detail

@@ -93,6 +93,9 @@ def _load_c() -> ctypes.CDLL | None:
     draw.restype = None
     draw.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                      ctypes.c_void_p, ctypes.c_int]
+    argmax = lib.wb_argmax
+    argmax.restype = None
+    argmax.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int]
     count = lib.wb_count_above
     count.restype = None
     count.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,

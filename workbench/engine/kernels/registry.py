@@ -66,6 +66,11 @@ _ALL = [
                 "wb_count_above (kernels/c/sample_draw.c)", IDENTICAL, (), MACHINE,
                 ("workbench.engine.kernels.sampling",), native=True, on_disk="none",
                 note="compared on 80 seeded probe rows; checked in every process"),
+    Replacement("sample.argmax", "torch.argmax of each row of logits (the greedy pick)",
+                "wb_argmax (kernels/c/sample_draw.c): the row's maximum and whether it holds a NaN, then the "
+                "first index equal to it (or the first NaN)", IDENTICAL, (), MACHINE,
+                ("workbench.engine.kernels.sampling",), native=True, on_disk="none",
+                note="compared on 80 seeded probe rows (ties, NaN, -inf rows, +0 and -0); checked in every process"),
     Replacement("sample.topk", "torch.topk of the traced sampler's distributions (values, ids, tie order)",
                 "wb_topk (kernels/c/topk.c): libstdc++'s partial_sort, which torch.topk runs, replayed on a "
                 "k-sized heap", IDENTICAL, (), MACHINE, ("workbench.engine.kernels.sampling",), native=True,

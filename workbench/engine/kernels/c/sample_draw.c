@@ -19,6 +19,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
+#include <immintrin.h>
 
 void wb_sample_draw(const float *probs, int64_t rows, int64_t vocab, int64_t stride, const double *u,
                     int64_t *out, int num_threads) {
@@ -65,5 +67,91 @@ void wb_count_above(const float *lp, int64_t rows, int64_t vocab, int64_t stride
         for (int64_t i = 0; i < vocab; i++)
             count += p[i] > x;
         out[r] = count;
+    }
+}
+
+/* Per row, the index torch.argmax gives: the first NaN if the row holds one (argmax counts NaN as
+ * the maximum), else the first index holding the row's maximum (+0 and -0 equal, as in its compare).
+ * Two reads of the row: the maximum and whether a NaN occurs, a vector at a time (compares and
+ * selects only, no arithmetic), then the first index equal to it. torch.argmax over a row is a
+ * scalar loop with a data-dependent branch (45 us for 49152 logits); this takes a few. */
+#if defined(__AVX512F__)
+#define AM_W 16
+static inline float am_max(const float *p, int64_t n, int64_t *done, int *nan) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    __mmask16 isnan = 0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(p + i);
+        m = _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(v, m, _CMP_GT_OQ), v);
+        isnan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    float lanes[16];
+    _mm512_storeu_ps(lanes, m);
+    float best = -INFINITY;
+    for (int l = 0; l < 16; l++) best = lanes[l] > best ? lanes[l] : best;
+    *done = i, *nan = isnan != 0;
+    return best;
+}
+static inline int64_t am_first(const float *p, int64_t n, float best, int nan) {
+    const __m512 b = _mm512_set1_ps(best);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(p + i);
+        const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, b, _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+    return i;
+}
+#elif defined(__AVX2__)
+static inline float am_max(const float *p, int64_t n, int64_t *done, int *nan) {
+    __m256 m = _mm256_set1_ps(-INFINITY), isnan = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(p + i);
+        m = _mm256_blendv_ps(m, v, _mm256_cmp_ps(v, m, _CMP_GT_OQ));
+        isnan = _mm256_or_ps(isnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    float best = -INFINITY;
+    for (int l = 0; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;
+    *done = i, *nan = _mm256_movemask_ps(isnan) != 0;
+    return best;
+}
+static inline int64_t am_first(const float *p, int64_t n, float best, int nan) {
+    const __m256 b = _mm256_set1_ps(best);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(p + i);
+        const int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, b, _CMP_EQ_OQ));
+        if (hit) return i + __builtin_ctz(hit);
+    }
+    return i;
+}
+#else
+static inline float am_max(const float *p, int64_t n, int64_t *done, int *nan) {
+    (void)p, (void)n;
+    *done = 0, *nan = 0;
+    return -INFINITY;
+}
+static inline int64_t am_first(const float *p, int64_t n, float best, int nan) {
+    (void)p, (void)n, (void)best, (void)nan;
+    return 0;
+}
+#endif
+
+void wb_argmax(const float *x, int64_t rows, int64_t vocab, int64_t stride, int64_t *out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *p = x + r * stride;
+        int64_t i;
+        int any_nan;
+        float best = am_max(p, vocab, &i, &any_nan);
+        for (; i < vocab; i++) { best = p[i] > best ? p[i] : best; any_nan |= p[i] != p[i]; }
+        int64_t at = am_first(p, vocab, best, any_nan); /* the vector holding it, or where the vectors end */
+        if (any_nan) { while (p[at] == p[at]) at++; }
+        else { while (p[at] != best) at++; }
+        out[r] = at;
     }
 }
