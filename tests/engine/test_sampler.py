@@ -352,3 +352,21 @@ def test_a_sampler_reused_across_steps_records_what_a_fresh_one_does() -> None:
         assert (a.next_token_ids, a.stages, a.logprobs, a.ranks, a.top_logprobs) == \
             (b.next_token_ids, b.stages, b.logprobs, b.ranks, b.top_logprobs)
         assert torch.equal(a_lp, torch.log_softmax(logits.float(), dim=-1))
+
+
+def test_which_stages_apply_to_which_rows_matches_the_sampling_tensors() -> None:
+    # The traced sampler's per-stage "applied" flags (what the trace shows as a stage that did
+    # something) come from the request's params, rounded to float32 as the tensors hold them: a
+    # temperature or top_p that rounds to 1.0, or a min_p that rounds to 0, applies to nothing.
+    vocab = 50
+    cases = [dict(temperature=0), dict(temperature=1.0), dict(temperature=1.00000001), dict(temperature=0.7),
+             dict(temperature=1.0, top_p=0.999999999), dict(top_p=0.9), dict(min_p=1e-50), dict(min_p=0.05),
+             dict(top_k=0), dict(top_k=-1), dict(top_k=5), dict(top_k=vocab), dict(top_k=vocab + 1),
+             dict(temperature=0, top_p=0.5, min_p=0.2, top_k=3)]
+    reqs = [Req(f"r{i}", "p", [1, 2], SamplingParams(**kw)) for i, kw in enumerate(cases)]
+    info = SamplingBatchInfo.build(reqs, vocab, "cpu")
+    for stage in ("temperature", "top_k", "top_p", "min_p"):
+        assert info.applied(stage) == info._applied_now(stage), stage
+    assert info.applied("temperature")[:4] == [False, False, False, True]
+    assert info.applied("top_p")[4:6] == [False, True] and info.applied("min_p")[6:8] == [False, True]
+    assert info.applied("top_k")[8:13] == [False, False, True, False, False]

@@ -398,36 +398,72 @@ class RowdotGroup:
     small layers (192 rows) share one parallel region instead of paying one each. Only where every
     member's route at one row is the one-row kernel (its check passed and it won its race) and their
     orders and input widths agree; elsewhere `__call__` returns None and each layer runs its own
-    route."""
+    route. A group of one is the leanest call of a single layer at one row.
+
+    Called ~120 times a step at batch 1, so what can be is decided once per set of layers and
+    thread count (`_plan`); each call re-checks only what a notebook could have changed since:
+    the layers, their forwards, their weight and bias tensors and where those point."""
 
     def __init__(self) -> None:
-        self._ptrs: tuple[int, ...] = ()
-        self._args: tuple = ()
+        self._plan: tuple | None = None
 
     def __call__(self, linears: list[torch.nn.Linear], x: torch.Tensor) -> list[torch.Tensor] | None:
-        packs = [m.forward for m in linears]
-        if not all(isinstance(p, PackedLinear) for p in packs) or x.dtype != torch.float32 \
-                or x.device.type != "cpu" or torch.is_grad_enabled():
+        if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
             return None
-        first = packs[0]
-        if x.numel() != first.in_features or any(p.route(1) != ROWDOT or p.rowdot_order != first.rowdot_order
-                                                 or p.in_features != first.in_features for p in packs):
+        threads = torch.get_num_threads()
+        plan = self._plan
+        if plan is None or plan[0] != linears or plan[1] != threads or not self._current(plan):
+            plan = self._plan = self._make(linears, threads)
+        if plan[2] is None or x.numel() != plan[3]:
             return None
-        biases = [m.bias for m in linears]
-        ptrs = (*(m.weight.data_ptr() for m in linears), *(0 if b is None else b.data_ptr() for b in biases))
-        if ptrs != self._ptrs:  # first call, or a layer or weight replaced
-            self._args = (len(packs), (ctypes.c_void_p * len(packs))(*ptrs[:len(packs)]),
-                          (ctypes.c_void_p * len(packs))(*(p or None for p in ptrs[len(packs):])),
-                          (ctypes.c_int64 * len(packs))(*(p.out_features for p in packs)))
-            self._ptrs = ptrs
-        count, w_arr, b_arr, n_arr = self._args
+        _, _, call, in_features, shapes, _ = plan
         x = x.contiguous()
-        ys = [torch.empty((*x.shape[:-1], p.out_features), dtype=torch.float32) for p in packs]
-        y_arr = (ctypes.c_void_p * count)(*(y.data_ptr() for y in ys))
-        p_, lanes, fma = first.rowdot_order
-        rc = native.load().wb_linear_rowdot_group(count, w_arr, b_arr, y_arr, n_arr, x.data_ptr(), first.in_features,
-                                                  p_, lanes, int(fma), torch.get_num_threads())
+        lead = x.shape[:-1]
+        ys = [torch.empty((*lead, n), dtype=torch.float32) for n in shapes]
+        rc = call((ctypes.c_void_p * len(ys))(*[y.data_ptr() for y in ys]), x.data_ptr())
         return None if rc else ys
+
+    @staticmethod
+    def _current(plan: tuple) -> bool:
+        """Are the layers as the plan found them: the same forwards, weight and bias objects, data,
+        and (where the group runs) each one's route at one row still the one-row kernel?"""
+        key = (1, plan[1])
+        for m, forward, weight, bias, ptrs in plan[5]:
+            if plan[2] is not None and forward._routes.get(key) != ROWDOT:
+                return False
+            if m.__dict__.get("forward") is not forward or m._parameters["weight"] is not weight \
+                    or m._parameters.get("bias") is not bias \
+                    or weight.data_ptr() != ptrs[0] or (bias is not None and bias.data_ptr() != ptrs[1]):
+                return False
+        return True
+
+    @staticmethod
+    def _make(linears: list[torch.nn.Linear], threads: int) -> tuple:
+        """(layers, threads, the bound C call or None where the group may not run, input width,
+        output widths, what `_current` compares)."""
+        seen = []
+        for m in linears:
+            weight, bias = m._parameters["weight"], m._parameters.get("bias")
+            seen.append((m, m.__dict__.get("forward"), weight, bias,
+                         (weight.data_ptr() if weight is not None else 0, bias.data_ptr() if bias is not None else 0)))
+        packs = [m.forward for m in linears]
+        lib = native.load()
+        first = packs[0] if packs and isinstance(packs[0], PackedLinear) else None
+        if lib is None or first is None or not all(
+                isinstance(p, PackedLinear) and p.route(1) == ROWDOT and p.rowdot_order == first.rowdot_order
+                and p.in_features == first.in_features for p in packs):
+            return (list(linears), threads, None, 0, (), seen)
+        count = len(packs)
+        w_arr = (ctypes.c_void_p * count)(*[ptrs[0] for *_, ptrs in seen])
+        b_arr = (ctypes.c_void_p * count)(*[ptrs[1] or None for *_, ptrs in seen])
+        n_arr = (ctypes.c_int64 * count)(*[p.out_features for p in packs])
+        peel, lanes, fma = first.rowdot_order
+        fn, k = lib.wb_linear_rowdot_group, first.in_features
+
+        def call(y_arr, x_ptr: int, arrays=(w_arr, b_arr, n_arr)) -> int:
+            return fn(count, arrays[0], arrays[1], y_arr, arrays[2], x_ptr, k, peel, lanes, int(fma), threads)
+
+        return (list(linears), threads, call, k, tuple(p.out_features for p in packs), seen)
 
 
 def pack_linears(model: torch.nn.Module, budget_bytes: int | None = None, book: Book = BOOK) -> int:

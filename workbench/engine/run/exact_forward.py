@@ -178,11 +178,11 @@ def forward(model: torch.nn.Module, fb: Any, layers: int | None = None) -> torch
             residual = hidden
             hidden = layer.post_attention_layernorm.forward(hidden)
         else:
-            residual, hidden = ops.norm(layer.post_attention_layernorm, residual, attn.o_proj.forward(out))
+            residual, hidden = ops.norm(layer.post_attention_layernorm, residual, _project(attn, "o_proj", out)[0])
         # LlamaMLP.forward
         mlp = layer.mlp
         gate, up = _project(mlp, "gate_proj", "up_proj", hidden)
-        hidden = mlp.down_proj.forward(mlp.act_fn.forward(gate) * up)
+        hidden = _project(mlp, "down_proj", mlp.act_fn.forward(gate) * up)[0]
         if ops is None:
             hidden = residual + hidden
         else:
@@ -190,7 +190,7 @@ def forward(model: torch.nn.Module, fb: Any, layers: int | None = None) -> torch
     rows = fb.logits_rows
     if ops is not None:  # each row's norm is its own: only the kept rows are added and normed
         _, hidden = ops.norm(inner.norm, hidden[:, rows], None if pending is None else pending[:, rows])
-        return model.lm_head.forward(hidden)[0].float()
+        return _project(model, "lm_head", hidden)[0][0].float()
     if layers is not None:
         return model.lm_head.forward(inner.norm.forward(hidden[:, rows]))[0].float()
     hidden = inner.norm.forward(hidden)
@@ -203,16 +203,20 @@ _groups: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictio
 
 def _project(owner: torch.nn.Module, *names_and_input: Any) -> list[torch.Tensor]:
     """`owner.NAME.forward(x)` for each named linear layer of `owner` (its q/k/v projections, its gate
-    and up ones), in one call of the one-row kernel where each layer's own route is that kernel
-    (kernels/gemm.py RowdotGroup: the same bits as its own call), else one by one."""
+    and up ones, or one layer), in one call of the one-row kernel where each layer's own route is
+    that kernel (kernels/gemm.py RowdotGroup: the same bits as its own call), else one by one."""
     *names, x = names_and_input
     linears = [getattr(owner, n) for n in names]
     out = None
     if x.shape[-2] == 1:
-        if (group := _groups.get(owner)) is None:
+        groups = _groups.get(owner)
+        if groups is None:
+            groups = _groups[owner] = {}
+        group = groups.get(names[0])
+        if group is None:
             from workbench.engine.kernels.gemm import RowdotGroup
 
-            group = _groups[owner] = RowdotGroup()
+            group = groups[names[0]] = RowdotGroup()
         out = group(linears, x)
     return out if out is not None else [m.forward(x) for m in linears]
 

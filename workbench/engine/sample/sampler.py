@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,14 @@ class SamplingBatchInfo:
         ps = [r.params for r in reqs]
         t = lambda xs, dt=torch.float32: torch.tensor(xs, dtype=dt, device=device)  # noqa: E731
         greedy = t([p.temperature == 0 for p in ps], torch.bool)
+        # `applied` of the tensor-valued stages, from the same values rounded to float32 as the
+        # tensors hold them (array "f"), without a compare and a copy back per stage and step
+        f32 = lambda xs: array("f", xs)  # noqa: E731
+        temps = f32([p.temperature if p.temperature > 0 else 1.0 for p in ps])
+        known = {"temperature": [x != 1.0 and p.temperature != 0 for x, p in zip(temps, ps)],
+                 "top_k": [0 < p.top_k < vocab_size for p in ps],
+                 "top_p": [x < 1.0 for x in f32([p.top_p for p in ps])],
+                 "min_p": [x > 0.0 for x in f32([p.min_p for p in ps])]}
         return cls(
             reqs=reqs, prefixes=pre, vocab_size=vocab_size,
             temperatures=t([p.temperature if p.temperature > 0 else 1.0 for p in ps])[:, None], greedy=greedy,
@@ -91,7 +100,7 @@ class SamplingBatchInfo:
             grammar=grammar_mod.grammar_bitmask([r.grammar for r in reqs], pre, vocab_size),
             need_top_logprobs=max((p.top_logprobs for p in ps), default=0),
             wants_logprobs=any(p.logprobs or p.top_logprobs or p.token_ids_logprob for p in ps),
-            token_ids_logprob=[tuple(p.token_ids_logprob) for p in ps])
+            token_ids_logprob=[tuple(p.token_ids_logprob) for p in ps], _applied=known)
 
     @property
     def needs_stages(self) -> bool:
