@@ -26,8 +26,8 @@ Stable API (the speculative decoder relies on it):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
