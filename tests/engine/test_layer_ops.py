@@ -79,6 +79,30 @@ def test_a_rotation_off_by_one_ulp_is_refused(monkeypatch):
     assert "differs from apply_rotary_pos_emb" in book.verdicts(layer_ops.ROPE)[0][1].detail
 
 
+@pytest.mark.parametrize("n", [1536, 32 * 1536, 5])
+def test_the_fused_activation_gives_silu_times_up_bits(n):
+    # LlamaMLP's act_fn(gate) * up at batch 1, batch 32 (threaded) and a short tail, over the range
+    # where exp under- and overflows: the same bits as torch's SiLU module and multiply.
+    ops = layer_ops.LayerOps(apply_rotary_pos_emb, Book())
+    act = torch.nn.SiLU()
+    gate = torch.randn(1, 1, n) * torch.logspace(-3, 2.1, n)
+    up = torch.randn(1, 1, n)
+    got = ops.silu_mul(act, gate, up)
+    assert ops.act_ok[("SiLU",)] and torch.equal(got, act(gate) * up)
+
+
+def test_another_activation_or_a_replaced_forward_runs_through_torch():
+    book = Book()
+    ops = layer_ops.LayerOps(apply_rotary_pos_emb, book)
+    gate, up = torch.randn(1, 1, 64) * 4, torch.randn(1, 1, 64)
+    gelu = torch.nn.GELU(approximate="tanh")
+    assert torch.equal(ops.silu_mul(gelu, gate, up), gelu(gate) * up)
+    assert not ops.act_ok[("GELU",)] and "differs from GELU" in book.verdicts(layer_ops.SILU_MUL)[0][1].detail
+    silu = torch.nn.SiLU()
+    silu.forward = lambda x: torch.zeros_like(x)  # a notebook's edit of this one module
+    assert torch.equal(ops.silu_mul(silu, gate, up), torch.zeros_like(up))
+
+
 def _greedy(tiny) -> tuple[list, list]:
     with Engine(tiny, trace_level="off") as engine:
         outs = engine.generate(["a b c d", "the sea"], SamplingParams(temperature=0, max_new_tokens=6,
@@ -91,11 +115,13 @@ def test_greedy_tokens_and_logprobs_are_the_same_with_the_fused_ops_as_with_the_
 
     tiny = load_model("tiny-random", device="cpu")  # its own object: other tests' wrappers block the direct forward
     calls = []
-    norm_c, rope_c = layer_ops.LayerOps._norm_c, layer_ops.LayerOps._rope_c
+    norm_c, rope_c, act_c = layer_ops.LayerOps._norm_c, layer_ops.LayerOps._rope_c, layer_ops.LayerOps._silu_mul_c
     monkeypatch.setattr(layer_ops.LayerOps, "_norm_c", lambda self, *a: calls.append("norm") or norm_c(self, *a))
     monkeypatch.setattr(layer_ops.LayerOps, "_rope_c", lambda self, *a: calls.append("rope") or rope_c(self, *a))
+    monkeypatch.setattr(layer_ops.LayerOps, "_silu_mul_c", staticmethod(lambda *a: calls.append("act") or act_c(*a)))
     fused = _greedy(tiny)
-    assert calls.count("norm") > 2 * tiny.model.config.num_hidden_layers and "rope" in calls
+    layers = tiny.model.config.num_hidden_layers
+    assert calls.count("norm") > 2 * layers and "rope" in calls and calls.count("act") > 2 + layers  # 2: its check
     calls.clear()
     hook = tiny.model.register_forward_hook(lambda *a: None)  # a hook: the model's own forward runs
     try:

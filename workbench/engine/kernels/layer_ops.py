@@ -11,7 +11,10 @@ mostly in dispatch (BENCHMARKS.md, "the model's other ops"). Both compute torch'
   the first that matches every probe is kept (`lanes` in the verdict's facts), else the norm is
   refused and transformers' ops run;
 - the rotation is elementwise (two rounded products, one rounded sum), checked against the model's
-  own `apply_rotary_pos_emb` on probes.
+  own `apply_rotary_pos_emb` on probes;
+- the MLP's `act_fn(gate) * up` (`mlp.silu_mul`) for a SiLU activation: torch's vectorized SiLU,
+  `x / (1 + exp(-x))` with SLEEF's expf_u10, then the product; checked against the model's own
+  activation module on probes (under- and overflow, infinities, NaN included).
 
 Does not own: when the direct forward may run at all (exact_forward.py) or the build (native.py).
 """
@@ -24,7 +27,7 @@ from workbench.engine.kernels import native
 from workbench.engine.kernels.book import BOOK, Book
 from workbench.engine.kernels.verdict import Verdict
 
-NORM, ROPE = "norm.rms", "rotary.apply"
+NORM, ROPE, SILU_MUL = "norm.rms", "rotary.apply", "mlp.silu_mul"
 NORM_LANES = (8, 16, 4)  # torch's Vectorized<float> width: AVX2 (its sum kernel's, on AVX512 CPUs too), AVX512
 PROBE_ROWS = (1, 5, 64)
 
@@ -52,6 +55,7 @@ class LayerOps:
         self.rotate, self.book = rotate, book
         self.lanes: dict[tuple, int | None] = {}  # norm key -> the checked lanes (None: refused)
         self.rope_ok: dict[tuple, bool] = {}
+        self.act_ok: dict[tuple, bool] = {}  # activation class -> mlp.silu_mul passed
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, rotate, book: Book = BOOK) -> LayerOps | None:
@@ -168,3 +172,43 @@ class LayerOps:
                                    f"at {rows} rows", {})
         return Verdict(True, f"kernel: bit-identical to apply_rotary_pos_emb on {len(PROBE_ROWS)} probes",
                        {"probe_rows": list(PROBE_ROWS)})
+
+    # --- the MLP's activation ---------------------------------------------------------------------
+
+    def silu_mul(self, act_fn: torch.nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """`act_fn(gate) * up` (LlamaMLP's), in one C pass where `mlp.silu_mul` passed for this
+        activation's class, else through torch."""
+        key = (type(act_fn).__qualname__,)
+        ok = self.act_ok.get(key)
+        if ok is None:
+            ok = self.act_ok[key] = native.load() is not None and self.book.decide(
+                SILU_MUL, key, lambda: self._check_silu_mul(act_fn)).ok
+        if not ok or gate.dtype != torch.float32 or up.dtype != torch.float32 or gate.shape != up.shape \
+                or "forward" in vars(act_fn):  # a notebook's own forward on this module: it runs
+            return act_fn.forward(gate) * up
+        return self._silu_mul_c(gate, up)
+
+    @staticmethod
+    def _silu_mul_c(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        native.load().wb_silu_mul(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), torch.get_num_threads())
+        return out
+
+    def _check_silu_mul(self, act_fn: torch.nn.Module) -> Verdict:
+        """Against the module itself on probes spanning nine decades, both signs, the range where
+        exp under- and overflows, +-0, +-inf and NaN; sizes on both sides of the threaded cut."""
+        gen = torch.Generator().manual_seed(7)
+        with torch.inference_mode():
+            for n in (1536, 65536):
+                gate = torch.randn(n, generator=gen) * torch.logspace(-4, 5, n)[torch.randperm(n, generator=gen)]
+                gate[:8] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 88.8, -103.9, -104.5])
+                gate[8:264] = torch.linspace(-120, 120, 256)
+                up = torch.randn(n, generator=gen)
+                want, got = act_fn.forward(gate) * up, self._silu_mul_c(gate, up)
+                same = (want == got) | (want.isnan() & got.isnan())
+                if not bool(same.all()):
+                    return Verdict(False, f"torch: the kernel differs from {type(act_fn).__name__} times up on "
+                                   f"{int((~same).sum())} of {n} probe values", {})
+        return Verdict(True, f"kernel: bit-identical to {type(act_fn).__name__}(gate) * up on 2 probes "
+                       "(SLEEF's expf_u10, as torch's vectorized SiLU)", {"probe_sizes": [1536, 65536]})

@@ -86,6 +86,12 @@ _ALL = [
                 "one C pass (kernels/c/layer_ops.c): two rounded products and a rounded sum per element, as torch",
                 IDENTICAL, ("heads", "kv_heads", "head_dim"), MACHINE, ("workbench.engine.kernels.layer_ops",),
                 native=True, on_disk="none", note="inside the direct forward; checked in every process"),
+    Replacement("mlp.silu_mul", "LlamaMLP's act_fn(gate) * up with a SiLU activation (two torch ops)",
+                "one C pass (kernels/c/layer_ops.c): x / (1 + exp(-x)) with SLEEF's expf_u10 as torch's vectorized "
+                "SiLU computes it, then the product", IDENTICAL, ("class",), MACHINE,
+                ("workbench.engine.kernels.layer_ops",), native=True, on_disk="none",
+                note="inside the direct forward; compared with the model's activation module on probes spanning "
+                "nine decades, exp's under- and overflow, infinities and NaN; checked in every process"),
     Replacement("forward.direct", "the model's own forward (module dispatch, transformers' decorators)",
                 "the direct forward: the same torch ops in the same order without the dispatch "
                 "(run/exact_forward.py)", IDENTICAL, ("model",), MODEL, ("workbench.engine.run.exact_forward",),

@@ -182,7 +182,8 @@ def forward(model: torch.nn.Module, fb: Any, layers: int | None = None) -> torch
         # LlamaMLP.forward
         mlp = layer.mlp
         gate, up = _project(mlp, "gate_proj", "up_proj", hidden)
-        hidden = _project(mlp, "down_proj", mlp.act_fn.forward(gate) * up)[0]
+        act = mlp.act_fn.forward(gate) * up if ops is None else ops.silu_mul(mlp.act_fn, gate, up)
+        hidden = _project(mlp, "down_proj", act)[0]
         if ops is None:
             hidden = residual + hidden
         else:

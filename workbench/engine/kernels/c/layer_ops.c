@@ -6,6 +6,9 @@
  *   torch's float sum (ATen/native/cpu/SumKernel.cpp: vectorized_inner_sum -> row_sum ->
  *   multi_row_sum, with `lanes` floats per vector: 16 on AVX512, 8 on AVX2) divided by n.
  * - wb_rope: transformers' apply_rotary_pos_emb, q*cos + rotate_half(q)*sin, for q and k.
+ * - wb_silu_mul: LlamaMLP's act_fn(gate) * up with act_fn SiLU, as torch's vectorized SiLU kernel
+ *   computes it: x / (1 + exp(-x)), its exp being SLEEF's expf_u10 (Sleef_expf16_u10 / expf8_u10,
+ *   the same steps at either width), then the product rounded.
  *
  * Built with -ffp-contract=off: every product is rounded before it is added, as torch's separate
  * mul and add kernels round it.
@@ -107,3 +110,46 @@ int wb_rope(const float *q, const float *k, int64_t q_stride, int64_t k_stride, 
     }
     return 0;
 }
+
+/* SLEEF's xexpf (expf_u10) as its AVX2 and AVX512 builds compute it, lane by lane: q = rint(d/ln2),
+ * s = d - q*ln2 in two fused steps (ln2 split in a high and a low part), a degree-6 polynomial in
+ * fused multiply-adds, scaled by 2^q in two halves, then the out-of-range cases. Written per float
+ * so the compiler vectorizes the loops below (rint, fma and the selects all have vector forms);
+ * the selects vectorize only where compares may be assumed not to trap, which changes no value. */
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
+static inline float pow2i(int32_t q) {
+    const int32_t bits = (q + 0x7f) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float sleef_expf_u10(float d) {
+    const int32_t q = (int32_t)rintf(d * 1.442695040888963407359924681001892137426645954152985934135449406931f);
+    float s = fmaf((float)q, -0.693145751953125f, d);
+    s = fmaf((float)q, -1.428606765330187045e-06f, s);
+    float u = 0.000198527617612853646278381f;
+    u = fmaf(u, s, 0.00139304355252534151077271f);
+    u = fmaf(u, s, 0.00833336077630519866943359f);
+    u = fmaf(u, s, 0.0416664853692054748535156f);
+    u = fmaf(u, s, 0.166666671633720397949219f);
+    u = fmaf(u, s, 0.5f);
+    u = 1.0f + fmaf(s * s, u, s);
+    u = u * pow2i(q >> 1) * pow2i(q - (q >> 1));
+    u = d < -104.0f ? 0.0f : u;
+    u = d > 100.0f ? INFINITY : u;
+    return d != d ? d : u;
+}
+
+/* out[i] = silu(gate[i]) * up[i] for n floats; the rows split between threads where there are
+ * enough of them to pay for it. Returns 0. */
+int wb_silu_mul(const float *gate, const float *up, float *out, int64_t n, int num_threads) {
+#pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static) if (n >= 16384)
+    for (int64_t i = 0; i < n; i++) {
+        const float g = gate[i];
+        out[i] = g / (1.0f + sleef_expf_u10(-g)) * up[i];
+    }
+    return 0;
+}
+#pragma GCC pop_options
