@@ -167,3 +167,35 @@ def test_an_argmax_kernel_that_picks_the_last_tie_is_refused(monkeypatch):
     assert torch.equal(first_argmax(x), x.argmax(dim=-1))
     verdict = checks.tables["sample.argmax"][()]
     assert not verdict.ok and "differed" in verdict.detail
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows, vocab", [(1, 49152), (1, 32000), (3, 151936), (32, 49152), (2, 64)])
+def test_the_traced_entropy_by_the_native_sum_is_torchs(rows, vocab, threads, monkeypatch):
+    # The entropy every traced step records per row: torch's -(p * lp).sum(-1) to the bit, for one
+    # row cut between threads (past torch's 32768 grain) and for batches, sharp and flat rows.
+    checks = Book()
+    monkeypatch.setattr(sample_kernels, "BOOK", checks)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(rows * vocab)
+        lp = torch.log_softmax(torch.randn(rows, vocab, generator=gen) * torch.rand(rows, 1, generator=gen) * 8, dim=-1)
+        p = lp.exp()
+        got = sample_kernels.entropy(p, lp)
+        assert got is not None and checks.tables["sample.entropy"][(threads,)].ok
+        assert torch.equal(got, -(p * lp).sum(-1))
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+def test_an_entropy_kernel_in_another_order_is_refused_and_torch_sums(monkeypatch):
+    checks = Book()
+    monkeypatch.setattr(sample_kernels, "BOOK", checks)
+    monkeypatch.setattr(sample_kernels, "ENTROPY_LANES", (1,))  # one lane: a plain cascade, not torch's vectors
+    lp = torch.log_softmax(torch.randn(2, 49152) * 3, dim=-1)
+    assert sample_kernels.entropy(lp.exp(), lp) is None
+    verdict = checks.tables["sample.entropy"][(torch.get_num_threads(),)]
+    assert not verdict.ok and "no listed sum order" in verdict.detail

@@ -115,6 +115,9 @@ def _load_c() -> ctypes.CDLL | None:
     norm = lib.wb_rms_norm
     norm.restype = ctypes.c_int
     norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
+    entropy = lib.wb_entropy
+    entropy.restype = ctypes.c_int
+    entropy.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p]
     silu_mul = lib.wb_silu_mul
     silu_mul.restype = ctypes.c_int
     silu_mul.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int]

@@ -71,6 +71,12 @@ _ALL = [
                 "first index equal to it (or the first NaN)", IDENTICAL, (), MACHINE,
                 ("workbench.engine.kernels.sampling",), native=True, on_disk="none",
                 note="compared on 80 seeded probe rows (ties, NaN, -inf rows, +0 and -0); checked in every process"),
+    Replacement("sample.entropy", "the traced sampler's entropy of each row, -(p * lp).sum(-1) (torch)",
+                "wb_entropy (kernels/c/layer_ops.c): the products summed in torch's order (its sum kernel's "
+                "cascade, a long row cut at its parallel grain as two threads cut it)", IDENTICAL, ("threads",),
+                MACHINE, ("workbench.engine.kernels.sampling",), native=True, on_disk="none",
+                note="vocabularies of 64 or more; each vector width tried on 18 probe batches (1-32 rows, 64 to "
+                "151936 tokens), the first matching all kept (lanes in facts); checked in every process"),
     Replacement("sample.topk", "torch.topk of the traced sampler's distributions (values, ids, tie order)",
                 "wb_topk (kernels/c/topk.c): libstdc++'s partial_sort, which torch.topk runs, replayed on a "
                 "k-sized heap", IDENTICAL, (), MACHINE, ("workbench.engine.kernels.sampling",), native=True,

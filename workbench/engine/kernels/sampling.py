@@ -2,7 +2,8 @@
 
 Owns: `sample_draw` (the sampler's float64-cumsum inverse-CDF draw, registry.py's `sample.draw`) and
 `count_above` (logprobs' compare-and-count of a token's rank, `sample.rank_count`), `argmax`
-(the greedy pick, torch.argmax's index, `sample.argmax`), all in c/sample_draw.c; `topk` (the traced sampler's top-k with torch.topk's tie order, `sample.topk`,
+(the greedy pick, torch.argmax's index, `sample.argmax`), all in c/sample_draw.c; `entropy` (the
+traced sampler's `-(p * lp).sum(-1)` in torch's summation order, `sample.entropy`, c/layer_ops.c); `topk` (the traced sampler's top-k with torch.topk's tie order, `sample.topk`,
 c/topk.c); their formulas (`draw_formula`, `count_formula`, torch.topk); and their check: the kernel
 and the formula on seeded probe rows (ties, -inf tails, a NaN row, the top end of `u`), the kernel
 used only where every row agrees. Does not own: the sampling itself (engine/sample/).
@@ -163,6 +164,50 @@ def _argmax_probe(logits: torch.Tensor, gen: torch.Generator) -> tuple[torch.Ten
     x[10, 5], x[10, 2] = 0.0, -0.0  # -0 first: torch's compare counts them equal, the first wins
     x[11, -1] = float("inf")
     return x, torch.zeros(x.shape[0])
+
+
+ENTROPY_LANES = (8, 16, 4)  # torch's sum kernel's vector width: its AVX2 build (on AVX512 CPUs too), AVX512
+ENTROPY_MIN_VOCAB = 64  # below a vector's width torch reduces several short rows another way
+
+
+def entropy(p: torch.Tensor, lp: torch.Tensor) -> torch.Tensor | None:
+    """`-(p * lp).sum(-1)` for `p, lp [R, V]` CPU float32 (the traced sampler's entropy of each
+    row's distribution), by the native kernel in torch's summation order for this thread count;
+    None where it does not apply or no listed order matched torch on this CPU."""
+    if not (_rows_ok(p) and _rows_ok(lp) and p.shape == lp.shape and p.stride(0) == lp.stride(0)
+            and p.shape[1] >= ENTROPY_MIN_VOCAB) or load() is None:
+        return None
+    threads = torch.get_num_threads()
+    verdict = BOOK.decide("sample.entropy", (threads,), lambda: _check_entropy(threads))
+    return _unchecked_entropy(p, lp, int(verdict.facts["lanes"]), threads) if verdict.ok else None
+
+
+def _unchecked_entropy(p: torch.Tensor, lp: torch.Tensor, lanes: int, threads: int) -> torch.Tensor:
+    out = torch.empty(p.shape[0], dtype=torch.float32)
+    load().wb_entropy(p.data_ptr(), lp.data_ptr(), p.shape[0], p.shape[1], p.stride(0), lanes, threads,
+                      out.data_ptr())
+    return out
+
+
+def _check_entropy(threads: int) -> Verdict:
+    """Each width of `ENTROPY_LANES` against torch's `-(p * lp).sum(-1)` on seeded distributions:
+    one row and batches, vocabularies on both sides of torch's parallel grain (32768), sharp and
+    flat distributions, zeros (probabilities that underflowed); the first width matching all."""
+    gen = torch.Generator().manual_seed(17)
+    probes = []
+    for vocab in (49152, 32000, 151936, 50000, 1000, 64):
+        for rows, temp in ((1, 1.0), (4, 0.1), (32, 3.0)):
+            lp = torch.log_softmax(torch.randn(rows, vocab, generator=gen) * 4 / temp, dim=-1)
+            probes.append((lp.exp(), lp))
+    with torch.inference_mode():
+        wants = [-(p * lp).sum(-1) for p, lp in probes]
+        for lanes in ENTROPY_LANES:
+            if all(torch.equal(_unchecked_entropy(p, lp, lanes, threads), want)
+                   for (p, lp), want in zip(probes, wants, strict=True)):
+                return Verdict(True, f"kernel: torch's entropy bits on all {len(probes)} probe batches, its sum "
+                               f"at {lanes} lanes", {"lanes": lanes, "probes": len(probes)})
+    return Verdict(False, f"torch: no listed sum order ({', '.join(map(str, ENTROPY_LANES))} lanes) gives torch's "
+                   f"entropy bits at {threads} threads on this CPU", {})
 
 
 def sample_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:

@@ -269,7 +269,8 @@ class StageRecorder:
         probs = torch.exp(lp, out=scratch) if scratch is not None else lp.exp()
         vals, ids = sampling.topk(probs, self.k)
         # log-softmax of the raw (finite) logits: no 0 * -inf to guard
-        entropy = (-(probs.mul_(lp).sum(-1))).tolist()
+        native = sampling.entropy(probs, lp)  # the same bits in one pass (kernels/sampling.py)
+        entropy = (native if native is not None else -(probs.mul_(lp).sum(-1))).tolist()
         rows, vocab = lp.shape
         self._append("logits", vals, ids, [1.0] * rows, [vocab] * rows, entropy, [True] * rows)
 

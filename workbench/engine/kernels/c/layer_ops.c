@@ -29,8 +29,9 @@ static int64_t ceil_log2(int64_t x) {
     return bits;
 }
 
-/* torch's sum of v[i] = x[i]*x[i] (its pow(2) rounds each square) over one row of n floats. */
-static float torch_sum_squares(const float *x, int64_t n, int lanes) {
+/* torch's sum of v[i] = x[i]*y[i] (each product rounded, as a separate mul kernel rounds it) over
+ * one row of n floats, as one reduction task sums it (SumKernel's cascade). */
+static inline float torch_sum_products_body(const float *x, const float *y, int64_t n, const int lanes) {
     const int64_t vec_size = n / lanes;       /* whole vectors */
     const int64_t size = vec_size / ILP;      /* multi_row_sum's "rows" of ILP vectors each */
     const int64_t level_power = ceil_log2(size) / LEVELS > 4 ? ceil_log2(size) / LEVELS : 4;
@@ -39,8 +40,8 @@ static float torch_sum_squares(const float *x, int64_t n, int lanes) {
     float acc[LEVELS][ILP][MAX_LANES];
     memset(acc, 0, sizeof acc);
     int64_t i = 0;
-#define LOAD_ADD(dst, vec) do { const float *p_ = x + (vec) * lanes; \
-        for (int l_ = 0; l_ < lanes; l_++) (dst)[l_] += p_[l_] * p_[l_]; } while (0)
+#define LOAD_ADD(dst, vec) do { const float *p_ = x + (vec) * lanes, *q_ = y + (vec) * lanes; \
+        for (int l_ = 0; l_ < lanes; l_++) (dst)[l_] += p_[l_] * q_[l_]; } while (0)
     for (; i + level_step <= size;) {
         for (int64_t j = 0; j < level_step; ++j, ++i)
             for (int k = 0; k < ILP; k++) LOAD_ADD(acc[0][k], i * ILP + k);
@@ -63,9 +64,61 @@ static float torch_sum_squares(const float *x, int64_t n, int lanes) {
 #undef LOAD_ADD
     /* vectorized_inner_sum: the scalar tail first, then the lanes in order */
     float total = 0.0f;
-    for (int64_t k = vec_size * lanes; k < n; k++) total += x[k] * x[k];
+    for (int64_t k = vec_size * lanes; k < n; k++) total += x[k] * y[k];
     for (int l = 0; l < lanes; l++) total += acc[0][0][l];
     return total;
+}
+
+/* The same at 8 and 16 lanes with each accumulator a vector (the generic body above runs a scalar
+ * loop per lane: ~3x slower over a 49152-float row); the same additions in the same order. */
+#define DEFINE_SUM_PRODUCTS(L)                                                                        \
+typedef float vsum##L __attribute__((vector_size(4 * L)));                                           \
+static float torch_sum_products_##L(const float *x, const float *y, int64_t n) {                     \
+    const int64_t vec_size = n / L, size = vec_size / ILP;                                            \
+    const int64_t level_power = ceil_log2(size) / LEVELS > 4 ? ceil_log2(size) / LEVELS : 4;         \
+    const int64_t level_step = (int64_t)1 << level_power, level_mask = level_step - 1;               \
+    vsum##L acc[LEVELS][ILP];                                                                         \
+    memset(acc, 0, sizeof acc);                                                                       \
+    int64_t i = 0;                                                                                    \
+    vsum##L xv, yv;                                                                                   \
+    for (; i + level_step <= size;) {                                                                 \
+        for (int64_t j = 0; j < level_step; ++j, ++i)                                                 \
+            for (int k = 0; k < ILP; k++) {                                                           \
+                memcpy(&xv, x + (i * ILP + k) * L, sizeof xv);                                        \
+                memcpy(&yv, y + (i * ILP + k) * L, sizeof yv);                                        \
+                acc[0][k] += xv * yv;                                                                 \
+            }                                                                                         \
+        for (int j = 1; j < LEVELS; ++j) {                                                            \
+            for (int k = 0; k < ILP; k++) { acc[j][k] += acc[j - 1][k]; acc[j - 1][k] = (vsum##L){0}; } \
+            if ((i & (level_mask << (j * level_power))) != 0) break;                                  \
+        }                                                                                             \
+    }                                                                                                 \
+    for (; i < size; ++i)                                                                             \
+        for (int k = 0; k < ILP; k++) {                                                               \
+            memcpy(&xv, x + (i * ILP + k) * L, sizeof xv);                                            \
+            memcpy(&yv, y + (i * ILP + k) * L, sizeof yv);                                            \
+            acc[0][k] += xv * yv;                                                                     \
+        }                                                                                             \
+    for (int j = 1; j < LEVELS; ++j)                                                                  \
+        for (int k = 0; k < ILP; k++) acc[0][k] += acc[j][k];                                         \
+    for (int64_t v = size * ILP; v < vec_size; v++) {                                                 \
+        memcpy(&xv, x + v * L, sizeof xv);                                                            \
+        memcpy(&yv, y + v * L, sizeof yv);                                                            \
+        acc[0][0] += xv * yv;                                                                         \
+    }                                                                                                 \
+    for (int k = 1; k < ILP; k++) acc[0][0] += acc[0][k];                                             \
+    float total = 0.0f;                                                                               \
+    for (int64_t k = vec_size * L; k < n; k++) total += x[k] * y[k];                                  \
+    for (int l = 0; l < L; l++) total += acc[0][0][l];                                                \
+    return total;                                                                                     \
+}
+DEFINE_SUM_PRODUCTS(8)
+DEFINE_SUM_PRODUCTS(16)
+
+static float torch_sum_products(const float *x, const float *y, int64_t n, int lanes) {
+    if (lanes == 8) return torch_sum_products_8(x, y, n);
+    if (lanes == 16) return torch_sum_products_16(x, y, n);
+    return torch_sum_products_body(x, y, n, lanes);
 }
 
 /* rows x n: h = x (+ delta, stored in sum_out when given), out = w * (h * (1 / sqrt(sum(h^2) / n + eps))). */
@@ -80,7 +133,7 @@ int wb_rms_norm(const float *x, const float *delta, float *sum_out, const float 
             for (int64_t i = 0; i < n; i++) s[i] = h[i] + d[i];
             h = s;
         }
-        const float mean = torch_sum_squares(h, n, lanes) / (float)n;
+        const float mean = torch_sum_products(h, h, n, lanes) / (float)n;
         const float inv = 1.0f / sqrtf(mean + eps);
         float *o = out + r * n;
         for (int64_t i = 0; i < n; i++) o[i] = w[i] * (h[i] * inv);
@@ -153,3 +206,29 @@ int wb_silu_mul(const float *gate, const float *up, float *out, int64_t n, int n
     return 0;
 }
 #pragma GCC pop_options
+
+/* Per row of p and lp ([rows, n], row stride `stride`): -(sum of p[i] * lp[i]), the entropy the
+ * traced sampler records, as torch computes -(p * lp).sum(-1): a row longer than torch's grain
+ * (32768) with several threads is cut into min(threads, ceil(n / 32768)) chunks of ceil(n / chunks)
+ * floats, each summed as above and the partial sums added in turn to 0 (TensorIterator's two-pass
+ * reduction of a single output); a row within the grain, or several rows (one task per row), is
+ * one sum. Returns 0, or -1 for lanes out of range. */
+int wb_entropy(const float *p, const float *lp, int64_t rows, int64_t n, int64_t stride, int lanes, int threads,
+               float *out) {
+    if (lanes < 1 || lanes > MAX_LANES) return -1;
+    const int64_t grain = 32768;
+#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = p + r * stride, *y = lp + r * stride;
+        int64_t chunks = rows == 1 && threads > 1 ? (n + grain - 1) / grain : 1;
+        if (chunks > threads) chunks = threads;
+        const int64_t size = (n + chunks - 1) / chunks;
+        float total = 0.0f;
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t begin = c * size, end = begin + size < n ? begin + size : n;
+            if (begin < end) total += torch_sum_products(x + begin, y + begin, end - begin, lanes);
+        }
+        out[r] = -total;
+    }
+    return 0;
+}
