@@ -33,6 +33,18 @@ def check_attention(heads: int, kv_heads: int, head_dim: int) -> None:
                                                                                  _unchecked, n))
 
 
+_refused: dict[tuple[int, int, int, int], Verdict] = {}  # (one row?, heads, kv_heads, head_dim) -> the refusal
+
+
+def refused(rows: int, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Is the kernel refused for this many decode rows (one, or several) and head layout, by the
+    verdict the book holds now? Lets the caller skip the argument checks and the query copy before
+    each layer's call where the answer is known to be no (batch 1 on the EPYCs: ~5 us a layer)."""
+    verdict = _refused.get((rows == 1, heads, kv_heads, head_dim))
+    return verdict is not None and \
+        BOOK.tables.get(ONE_ROW if rows == 1 else BATCH, {}).get((heads, kv_heads, head_dim)) is verdict
+
+
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_idx: torch.Tensor,
                      lens: torch.Tensor, out: torch.Tensor, scale: float, window: int | None = None,
                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> bool:
@@ -61,7 +73,9 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
             or kv_idx.shape[0] != b or lens.shape[0] != b):
         return False
     name = ONE_ROW if b == 1 else BATCH
-    if not BOOK.decide(name, (h, kvh, d), lambda: _check(h, kvh, d, _unchecked, name)).ok:
+    verdict = BOOK.decide(name, (h, kvh, d), lambda: _check(h, kvh, d, _unchecked, name))
+    if not verdict.ok:
+        _refused[(b == 1, h, kvh, d)] = verdict
         return False  # not fit for this layout on this CPU: the torch path
     _unchecked(q, k_pool, v_pool, kv_idx, lens, out, scale, window, softcap, sinks)
     return True

@@ -408,8 +408,8 @@ class RowdotGroup:
         self._plan: tuple | None = None
 
     def __call__(self, linears: list[torch.nn.Linear], x: torch.Tensor) -> list[torch.Tensor] | None:
-        if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
-            return None
+        if x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() or native.load() is None:
+            return None  # (the C kernels may have been switched off since the plan was made)
         threads = torch.get_num_threads()
         plan = self._plan
         if plan is None or plan[0] != linears or plan[1] != threads or not self._current(plan):

@@ -180,10 +180,9 @@ class LayerOps:
         activation's class, else through torch."""
         key = (type(act_fn).__qualname__,)
         ok = self.act_ok.get(key)
-        if ok is None:
-            ok = self.act_ok[key] = native.load() is not None and self.book.decide(
-                SILU_MUL, key, lambda: self._check_silu_mul(act_fn)).ok
-        if not ok or gate.dtype != torch.float32 or up.dtype != torch.float32 or gate.shape != up.shape \
+        if ok is None and native.load() is not None:
+            ok = self.act_ok[key] = self.book.decide(SILU_MUL, key, lambda: self._check_silu_mul(act_fn)).ok
+        if not ok or native.load() is None or gate.dtype != torch.float32 or up.dtype != torch.float32 or gate.shape != up.shape \
                 or "forward" in vars(act_fn):  # a notebook's own forward on this module: it runs
             return act_fn.forward(gate) * up
         return self._silu_mul_c(gate, up)

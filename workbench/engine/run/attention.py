@@ -112,8 +112,10 @@ def _decode(meta, kv, layer: int, query: torch.Tensor, out: torch.Tensor, scale:
     """The decode block: one query per row at position lens[b]-1 over that row's KV slots."""
     d0 = meta.decode_start
     q = query[0, :, d0:].transpose(0, 1)  # [Bd, H, D]
-    if decode_attention.decode_attention(q.contiguous(), kv.k[layer], kv.v[layer], meta.decode_kv_idx, meta.decode_lens,
-                                    out[0, d0:], scale, window=window, softcap=softcap, sinks=sinks):
+    if not decode_attention.refused(q.shape[0], q.shape[1], kv.k[layer].shape[1], q.shape[2]) and \
+            decode_attention.decode_attention(q.contiguous(), kv.k[layer], kv.v[layer], meta.decode_kv_idx,
+                                              meta.decode_lens, out[0, d0:], scale, window=window, softcap=softcap,
+                                              sinks=sinks):
         return  # read the pool in place, no gather (kernels/decode_attention.py)
     q = q.unsqueeze(2)  # [Bd, H, 1, D]
     idx = meta.decode_kv_idx  # [Bd, L]; index_select is ~3x faster than advanced indexing here
