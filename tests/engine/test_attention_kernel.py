@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.engine.engine import Engine
-from workbench.engine.kernels import Book, decode_attention, native
+from workbench.engine.kernels import BOOK, Book, decode_attention, native
 from workbench.engine.kernels.gemm import PackedLinear
 from workbench.engine.kernels.torch_paths import disabled
 from workbench.engine.sample.sampling_params import SamplingParams
@@ -171,9 +171,15 @@ def test_one_request_on_consecutive_slots_reads_the_pool_in_place_with_the_gathe
         return meta
 
     monkeypatch.setattr(forward_batch, "_decode_plan", recorded)
+    flash = decode_attention.flash_row
+    ran = []
+    monkeypatch.setattr(decode_attention, "flash_row", lambda *a: ran.append(flash(*a)) or ran[-1])
     with Engine(smollm2, trace_level="off") as engine:
         in_place = engine.generate(["The tide came in slowly over the"], params)[0]
     assert sum(runs) >= 10  # the decode steps read the slice
+    # ... through the C replay of sdpa's flash kernel where its check passed on this CPU (else sdpa)
+    verdict = BOOK.tables[decode_attention.FLASH_ROW].get((9, 3, 64, torch.get_num_threads()))
+    assert verdict is not None and sum(ran) == (len(ran) if verdict.ok else 0) and len(ran) >= 10 * 30
     monkeypatch.setattr(forward_batch, "_decode_plan",
                         lambda *a, **kw: setattr(meta := plan(*a, **kw), "decode_run", None) or meta)
     with Engine(smollm2, trace_level="off") as engine:
@@ -181,3 +187,31 @@ def test_one_request_on_consecutive_slots_reads_the_pool_in_place_with_the_gathe
     assert in_place.token_ids == gathered.token_ids
     assert [(t.logprob, t.top_logprobs) for t in in_place.logprobs] == \
         [(t.logprob, t.top_logprobs) for t in gathered.logprobs]
+
+
+def test_the_flash_row_replay_gives_sdpas_bits_or_is_refused(monkeypatch):
+    """The one-row replay of torch's flash kernel against sdpa at lengths around its vector width and
+    its 512-key blocks: bit-identical where its check passed; a replay at a width torch's kernel was
+    not built for is refused, and the caller's sdpa runs."""
+    book = Book()
+    monkeypatch.setattr(decode_attention, "BOOK", book)
+    heads, kv_heads, d = 9, 3, 64
+    gen = torch.Generator().manual_seed(5)
+    for keys in (1, 9, 16, 40, 513, 777):
+        pool_k, pool_v = torch.randn(keys + 2, kv_heads, d, generator=gen), torch.randn(keys + 2, kv_heads, d, generator=gen)
+        q = torch.randn(1, 1, heads * d, generator=gen).view(1, 1, heads, d).transpose(1, 2)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, pool_k[1:keys + 1].view(1, keys, kv_heads, d).transpose(1, 2),
+            pool_v[1:keys + 1].view(1, keys, kv_heads, d).transpose(1, 2), scale=0.125, enable_gqa=True)[0, :, 0]
+        out = torch.empty(heads, d)
+        if decode_attention.flash_row(q[0, :, 0], pool_k[1:keys + 1], pool_v[1:keys + 1], out, 0.125):
+            assert torch.equal(out, want), keys
+    verdict = book.tables[decode_attention.FLASH_ROW][(heads, kv_heads, d, torch.get_num_threads())]
+    if native.mkl() is not None:  # MKL's sgemm is what the replay calls
+        assert verdict.ok and verdict.facts["lanes"] in decode_attention.FLASH_LANES
+    monkeypatch.setattr(decode_attention, "FLASH_LANES", (4,))  # no such build of torch's kernel
+    other = Book()
+    monkeypatch.setattr(decode_attention, "BOOK", other)
+    assert not decode_attention.flash_row(q[0, :, 0], pool_k[1:keys + 1], pool_v[1:keys + 1], out, 0.125)
+    assert "no listed vector width" in other.tables[decode_attention.FLASH_ROW][
+        (heads, kv_heads, d, torch.get_num_threads())].detail

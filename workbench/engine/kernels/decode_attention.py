@@ -6,11 +6,14 @@ registry.py's `attention.decode_one_row` (at one row the torch path computes exa
 transformers computes, so the kernel must be bit-identical to it) and `attention.decode_batch`
 (at several rows the torch path's own bits depend on the batch's padding; the kernel's error
 against a float64 reference must be within `ERROR_FACTOR` times sdpa's own; the switch's `exact`
-value demands identity). Does not own: the torch path (run/attention.py) or the build (native.py).
+value demands identity); and `flash_row` (one decode row over consecutive KV slots exactly as
+sdpa's CPU flash kernel computes it, MKL's own sgemm inside, registry.py's
+`attention.flash_one_row`). Does not own: the torch path (run/attention.py) or the build (native.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
 
 import torch
@@ -162,3 +165,94 @@ def _check(heads: int, kv_heads: int, head_dim: int, kernel, name: str) -> Verdi
         return Verdict(False, "torch: the switch says exact and the kernel is not bit-identical", m)
     return Verdict(False, f"torch: kernel error {float(m['kernel_error']):.3g} exceeds {ERROR_FACTOR:g}x sdpa's "
                    f"{m['torch_error']:.3g}", m)
+
+
+# --- one decode row as torch's flash-attention kernel computes it (c/flash_row.c) ------------------
+
+FLASH_ROW = "attention.flash_one_row"
+FLASH_LANES = (16, 8)  # the vector width torch's flash kernel was built for: AVX512, AVX2
+FLASH_PROBE_KEYS = (1, 2, 7, 8, 15, 16, 17, 31, 33, 100, 257, 511, 512, 513, 1100)
+_sgemm_set = False
+
+
+def _sgemm_ready(lib) -> bool:
+    """Hand the kernel MKL's sgemm_ from the copy torch links (once); False where it has none."""
+    global _sgemm_set
+    if not _sgemm_set:
+        mkl = native.mkl()
+        fn = getattr(mkl, "sgemm_", None) if mkl is not None else None
+        if fn is None:
+            return False
+        lib.wb_set_sgemm(ctypes.cast(fn, ctypes.c_void_p))
+        _sgemm_set = True
+    return True
+
+
+def flash_row(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
+    """One decode row's attention over consecutive KV rows, exactly as sdpa computes it (torch's CPU
+    flash-attention kernel): `q [H, D]` (any head stride, rows contiguous), `k_rows, v_rows [L, KVH, D]`
+    (a contiguous run of the pool), `out [H, D]` contiguous. False (nothing written) where it does
+    not apply or its check (`attention.flash_one_row`) did not find it bit-identical for this head
+    layout and thread count on this CPU."""
+    lib = native.load()
+    if lib is None or q.dtype != torch.float32 or k_rows.dtype != torch.float32 or q.device.type != "cpu":
+        return False
+    heads, d = q.shape
+    keys, kv_heads = k_rows.shape[0], k_rows.shape[1]
+    if not (q.stride(1) == 1 and k_rows.is_contiguous() and v_rows.is_contiguous() and out.is_contiguous()
+            and v_rows.shape == k_rows.shape and k_rows.shape[2] == d and out.shape == q.shape and keys >= 1):
+        return False
+    threads = torch.get_num_threads()
+    verdict = BOOK.decide(FLASH_ROW, (heads, kv_heads, d, threads), lambda: _check_flash(heads, kv_heads, d, threads))
+    if not verdict.ok:
+        return False
+    return _flash_unchecked(q, k_rows, v_rows, out, scale, int(verdict.facts["lanes"]), threads) == 0
+
+
+def _flash_unchecked(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, out: torch.Tensor, scale: float,
+                     lanes: int, threads: int) -> int:
+    lib = native.load()
+    if not _sgemm_ready(lib):
+        return -2
+    heads, d = q.shape
+    rc = lib.wb_flash_row(q.data_ptr(), q.stride(0), k_rows.data_ptr(), v_rows.data_ptr(),
+                          k_rows.shape[1] * d, k_rows.shape[0], heads, k_rows.shape[1], d, scale, lanes,
+                          out.data_ptr(), threads)
+    if rc == -3:
+        raise MemoryError("flash row kernel: out of memory for its scratch buffer")
+    return rc
+
+
+def _check_flash(heads: int, kv_heads: int, head_dim: int, threads: int) -> Verdict:
+    """Against sdpa itself on seeded probes laid out as the engine lays them out (the query a head
+    view of a rotated row, the keys a run of pool slots): lengths on both sides of each vector and of
+    the kernel's 512-key blocks, peaked and flat rows; each vector width in turn, the first that
+    matches every probe kept (lanes in facts)."""
+    lib = native.load()
+    if lib is None or not _sgemm_ready(lib):
+        return Verdict(False, "torch: no MKL sgemm to call (the kernel reproduces MKL's GEMMs by calling them)", {})
+    gen = torch.Generator().manual_seed(heads * 1000 + kv_heads * 10 + head_dim)
+    scale = head_dim ** -0.5
+    probes = []
+    with torch.inference_mode():
+        for keys in FLASH_PROBE_KEYS:
+            pool_k = torch.randn(keys + 5, kv_heads, head_dim, generator=gen) * 2
+            pool_v = torch.randn(keys + 5, kv_heads, head_dim, generator=gen)
+            row = torch.randn(1, 1, heads * head_dim, generator=gen) * (4 if keys % 2 else 1)
+            q = row.view(1, 1, heads, head_dim).transpose(1, 2)  # [1, H, 1, D], as rotary.apply returns it
+            start = 3
+            k = pool_k[start:start + keys].view(1, keys, kv_heads, head_dim).transpose(1, 2)
+            v = pool_v[start:start + keys].view(1, keys, kv_heads, head_dim).transpose(1, 2)
+            want = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)[0, :, 0]
+            probes.append((q[0, :, 0], pool_k[start:start + keys], pool_v[start:start + keys], want))
+        for lanes in FLASH_LANES:
+            same = 0
+            for q, k, v, want in probes:
+                out = torch.empty(heads, head_dim)
+                if _flash_unchecked(q, k, v, out, scale, lanes, threads) == 0 and torch.equal(out, want):
+                    same += 1
+            if same == len(probes):
+                return Verdict(True, f"kernel: bit-identical to sdpa on {len(probes)} probe rows (1-1100 keys), "
+                               f"torch's flash kernel at {lanes} lanes", {"lanes": lanes, "probes": len(probes)})
+    return Verdict(False, f"torch: no listed vector width ({', '.join(map(str, FLASH_LANES))}) gives sdpa's bits "
+                   f"on all {len(probes)} probe rows on this CPU", {"probes": len(probes)})

@@ -29,7 +29,7 @@ from workbench.engine.kernels import switch
 from workbench.engine.kernels.store import cache_root
 
 SOURCES = [Path(__file__).parent / "c" / name for name in ("decode_attention.c", "sample_draw.c", "linear_rowdot.c", "linear_rows.c", "topk.c",
-                                                                     "layer_ops.c")]
+                                                                     "layer_ops.c", "flash_row.c")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 lock = threading.Lock()
@@ -115,6 +115,12 @@ def _load_c() -> ctypes.CDLL | None:
     norm = lib.wb_rms_norm
     norm.restype = ctypes.c_int
     norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
+    flash = lib.wb_flash_row
+    flash.restype = ctypes.c_int
+    flash.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + \
+        [ctypes.c_float, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.wb_set_sgemm.restype = None
+    lib.wb_set_sgemm.argtypes = [ctypes.c_void_p]
     entropy = lib.wb_entropy
     entropy.restype = ctypes.c_int
     entropy.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p]

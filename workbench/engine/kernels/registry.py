@@ -51,6 +51,14 @@ _ALL = [
                 "the paged decode-attention C kernel (kernels/c/decode_attention.c)",
                 IDENTICAL, ("heads", "kv_heads", "head_dim"), MACHINE, ("workbench.engine.kernels.decode_attention",),
                 native=True, on_disk="none", note="checked in every process (milliseconds)"),
+    Replacement("attention.flash_one_row",
+                "gather + scaled_dot_product_attention at one decode row on consecutive KV slots (transformers' "
+                "attention)", "one C call replaying torch's CPU flash-attention kernel (kernels/c/flash_row.c): MKL's "
+                "own sgemm for q.K and p.V, ATen's exp_u20 and sums, its scratch at the same offsets",
+                IDENTICAL, ("heads", "kv_heads", "head_dim", "threads"), MACHINE,
+                ("workbench.engine.kernels.decode_attention",), native=True, on_disk="none",
+                note="compared with sdpa on 15 probe rows (1-1100 keys) at each vector width (16: AVX512, 8: "
+                "AVX2), the first matching all kept (lanes in facts); checked in every process"),
     Replacement("attention.decode_batch", "gather + masked scaled_dot_product_attention at several decode rows",
                 "the paged decode-attention C kernel (kernels/c/decode_attention.c)",
                 Within("4x sdpa's own error against a float64 reference",

@@ -117,8 +117,14 @@ def _decode(meta, kv, layer: int, query: torch.Tensor, out: torch.Tensor, scale:
                                               meta.decode_lens, out[0, d0:], scale, window=window, softcap=softcap,
                                               sinks=sinks):
         return  # read the pool in place, no gather (kernels/decode_attention.py)
-    q = q.unsqueeze(2)  # [Bd, H, 1, D]
     idx = meta.decode_kv_idx  # [Bd, L]; index_select is ~3x faster than advanced indexing here
+    if meta.decode_run is not None and window is None and softcap is None and sinks is None:
+        # one row on consecutive slots: sdpa's own arithmetic in one C call over the pool's run, where
+        # its check found it bit-identical (kernels/decode_attention.py flash_row)
+        run = slice(meta.decode_run, meta.decode_run + idx.shape[1])
+        if decode_attention.flash_row(q[0], kv.k[layer][run], kv.v[layer][run], out[0, d0], scale):
+            return
+    q = q.unsqueeze(2)  # [Bd, H, 1, D]
     shape = (*idx.shape, *kv.k[layer].shape[1:])
     if meta.decode_run is not None:  # one row on consecutive slots: the pool's slice is the gather's copy
         run = slice(meta.decode_run, meta.decode_run + idx.shape[1])
