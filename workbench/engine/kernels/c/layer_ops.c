@@ -17,7 +17,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_LANES 16
 #define ILP 4
 #define LEVELS 4
 
@@ -30,51 +29,14 @@ static int64_t ceil_log2(int64_t x) {
 }
 
 /* torch's sum of v[i] = x[i]*y[i] (each product rounded, as a separate mul kernel rounds it) over
- * one row of n floats, as one reduction task sums it (SumKernel's cascade). */
-static inline float torch_sum_products_body(const float *x, const float *y, int64_t n, const int lanes) {
-    const int64_t vec_size = n / lanes;       /* whole vectors */
-    const int64_t size = vec_size / ILP;      /* multi_row_sum's "rows" of ILP vectors each */
-    const int64_t level_power = ceil_log2(size) / LEVELS > 4 ? ceil_log2(size) / LEVELS : 4;
-    const int64_t level_step = (int64_t)1 << level_power;
-    const int64_t level_mask = level_step - 1;
-    float acc[LEVELS][ILP][MAX_LANES];
-    memset(acc, 0, sizeof acc);
-    int64_t i = 0;
-#define LOAD_ADD(dst, vec) do { const float *p_ = x + (vec) * lanes, *q_ = y + (vec) * lanes; \
-        for (int l_ = 0; l_ < lanes; l_++) (dst)[l_] += p_[l_] * q_[l_]; } while (0)
-    for (; i + level_step <= size;) {
-        for (int64_t j = 0; j < level_step; ++j, ++i)
-            for (int k = 0; k < ILP; k++) LOAD_ADD(acc[0][k], i * ILP + k);
-        for (int j = 1; j < LEVELS; ++j) {
-            for (int k = 0; k < ILP; k++)
-                for (int l = 0; l < lanes; l++) { acc[j][k][l] += acc[j - 1][k][l]; acc[j - 1][k][l] = 0.0f; }
-            const int64_t mask = level_mask << (j * level_power);
-            if ((i & mask) != 0) break;
-        }
-    }
-    for (; i < size; ++i)
-        for (int k = 0; k < ILP; k++) LOAD_ADD(acc[0][k], i * ILP + k);
-    for (int j = 1; j < LEVELS; ++j)
-        for (int k = 0; k < ILP; k++)
-            for (int l = 0; l < lanes; l++) acc[0][k][l] += acc[j][k][l];
-    /* row_sum: the vectors left over after the ILP rows, then the ILP partial sums in turn */
-    for (int64_t v = size * ILP; v < vec_size; v++) LOAD_ADD(acc[0][0], v);
-    for (int k = 1; k < ILP; k++)
-        for (int l = 0; l < lanes; l++) acc[0][0][l] += acc[0][k][l];
-#undef LOAD_ADD
-    /* vectorized_inner_sum: the scalar tail first, then the lanes in order */
-    float total = 0.0f;
-    for (int64_t k = vec_size * lanes; k < n; k++) total += x[k] * y[k];
-    for (int l = 0; l < lanes; l++) total += acc[0][0][l];
-    return total;
-}
-
-/* The same at 8 and 16 lanes with each accumulator a vector (the generic body above runs a scalar
- * loop per lane: ~3x slower over a 49152-float row); the same additions in the same order. */
+ * one row of n floats, as one reduction task sums it (SumKernel's cascade: vectorized_inner_sum ->
+ * row_sum -> multi_row_sum), with L floats per vector; each accumulator a vector, so the compiler
+ * keeps it in a register. */
 #define DEFINE_SUM_PRODUCTS(L)                                                                        \
 typedef float vsum##L __attribute__((vector_size(4 * L)));                                           \
 static float torch_sum_products_##L(const float *x, const float *y, int64_t n) {                     \
-    const int64_t vec_size = n / L, size = vec_size / ILP;                                            \
+    const int64_t vec_size = n / L;          /* whole vectors */                                      \
+    const int64_t size = vec_size / ILP;     /* multi_row_sum's "rows" of ILP vectors each */         \
     const int64_t level_power = ceil_log2(size) / LEVELS > 4 ? ceil_log2(size) / LEVELS : 4;         \
     const int64_t level_step = (int64_t)1 << level_power, level_mask = level_step - 1;               \
     vsum##L acc[LEVELS][ILP];                                                                         \
@@ -101,30 +63,37 @@ static float torch_sum_products_##L(const float *x, const float *y, int64_t n) {
         }                                                                                             \
     for (int j = 1; j < LEVELS; ++j)                                                                  \
         for (int k = 0; k < ILP; k++) acc[0][k] += acc[j][k];                                         \
+    /* row_sum: the vectors left over after the ILP rows, then the ILP partial sums in turn */       \
     for (int64_t v = size * ILP; v < vec_size; v++) {                                                 \
         memcpy(&xv, x + v * L, sizeof xv);                                                            \
         memcpy(&yv, y + v * L, sizeof yv);                                                            \
         acc[0][0] += xv * yv;                                                                         \
     }                                                                                                 \
     for (int k = 1; k < ILP; k++) acc[0][0] += acc[0][k];                                             \
+    /* vectorized_inner_sum: the scalar tail first, then the lanes in order */                        \
     float total = 0.0f;                                                                               \
     for (int64_t k = vec_size * L; k < n; k++) total += x[k] * y[k];                                  \
     for (int l = 0; l < L; l++) total += acc[0][0][l];                                                \
     return total;                                                                                     \
 }
+DEFINE_SUM_PRODUCTS(1)
+DEFINE_SUM_PRODUCTS(4)
 DEFINE_SUM_PRODUCTS(8)
 DEFINE_SUM_PRODUCTS(16)
 
+static int lanes_ok(int lanes) { return lanes == 1 || lanes == 4 || lanes == 8 || lanes == 16; }
+
 static float torch_sum_products(const float *x, const float *y, int64_t n, int lanes) {
-    if (lanes == 8) return torch_sum_products_8(x, y, n);
     if (lanes == 16) return torch_sum_products_16(x, y, n);
-    return torch_sum_products_body(x, y, n, lanes);
+    if (lanes == 8) return torch_sum_products_8(x, y, n);
+    if (lanes == 4) return torch_sum_products_4(x, y, n);
+    return torch_sum_products_1(x, y, n);
 }
 
 /* rows x n: h = x (+ delta, stored in sum_out when given), out = w * (h * (1 / sqrt(sum(h^2) / n + eps))). */
 int wb_rms_norm(const float *x, const float *delta, float *sum_out, const float *w, float *out, int64_t rows,
                 int64_t n, float eps, int lanes) {
-    if (lanes < 1 || lanes > MAX_LANES) return -1;
+    if (!lanes_ok(lanes)) return -1;
     for (int64_t r = 0; r < rows; r++) {
         const float *h = x + r * n;
         if (delta != NULL) {
@@ -215,7 +184,7 @@ int wb_silu_mul(const float *gate, const float *up, float *out, int64_t n, int n
  * one sum. Returns 0, or -1 for lanes out of range. */
 int wb_entropy(const float *p, const float *lp, int64_t rows, int64_t n, int64_t stride, int lanes, int threads,
                float *out) {
-    if (lanes < 1 || lanes > MAX_LANES) return -1;
+    if (!lanes_ok(lanes)) return -1;
     const int64_t grain = 32768;
 #pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
