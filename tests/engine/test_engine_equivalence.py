@@ -50,8 +50,9 @@ def test_chunked_prefill_16_matches_transformers(model_and_refs):
 
 def test_preemption_matches_transformers(model_and_refs):
     loaded, ids, refs = model_and_refs
-    # Room for the longest request plus a little: the batch cannot all fit, so requests are preempted.
-    kv = max(len(p) for p in ids) + NEW + 64
+    # Room for the longest request and a few more, not for all: requests are still preempted (the assert
+    # below), but fewer times over (smollm2: 17.5 s against 23 with 336 slots fewer).
+    kv = max(len(p) for p in ids) + NEW + 400
     engine, outs = _run(loaded, kv_tokens=kv, chunk_size=128)
     assert sum(o.timings["preemptions"] for o in outs) > 0, "the pool was meant to force preemption"
     assert [o.token_ids for o in outs] == refs
