@@ -35,9 +35,10 @@ RACE_REPEATS = 3  # timed rounds per entrant (after one untimed call), the best 
 # Below PACKED_MIN_ROWS the GEMM only streams its weight, and what a decode step sees is that weight
 # read among the model's others: the race sweeps each entrant over a ring of copies of the weight as
 # long as the model's linear weights or this many bytes (twice the L3 of these machines), whichever
-# is less, so each call's weight was last read a ring ago, as in a step. One call on one weight right after an eviction is dominated by its first misses
-# (192x576 at one row: 50-80 us for the C kernel and for F.linear alike, against 20 and 43-47 us
-# a call in a sweep), which made the race pick F.linear where it is twice as slow in the step.
+# is less, so each call's weight was last read a ring ago, as in a step. One call on one weight
+# right after an eviction is dominated by its first misses (192x576 at one row: 50-80 us for the C
+# kernel and for F.linear alike, against 35 and 49 us a call in the sweep), which made the race
+# pick F.linear where it is the slower one in the step.
 RACE_RING_BYTES = 64 << 20
 # From PACKED_MIN_ROWS rows the GEMM is closer to compute bound and the packed entrant has its own
 # weight: one call per round on the layer's weight, with this many bytes written before it (more

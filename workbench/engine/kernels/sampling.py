@@ -3,7 +3,8 @@
 Owns: `sample_draw` (the sampler's float64-cumsum inverse-CDF draw, registry.py's `sample.draw`) and
 `count_above` (logprobs' compare-and-count of a token's rank, `sample.rank_count`), `argmax`
 (the greedy pick, torch.argmax's index, `sample.argmax`), all in c/sample_draw.c; `entropy` (the
-traced sampler's `-(p * lp).sum(-1)` in torch's summation order, `sample.entropy`, c/layer_ops.c); `topk` (the traced sampler's top-k with torch.topk's tie order, `sample.topk`,
+traced sampler's `-(p * lp).sum(-1)` in torch's summation order, `sample.entropy`,
+c/layer_ops.c); `topk` (the traced sampler's top-k with torch.topk's tie order, `sample.topk`,
 c/topk.c); their formulas (`draw_formula`, `count_formula`, torch.topk); and their check: the kernel
 and the formula on seeded probe rows (ties, -inf tails, a NaN row, the top end of `u`), the kernel
 used only where every row agrees. Does not own: the sampling itself (engine/sample/).
@@ -138,9 +139,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor | None:
     if not _rows_ok(x) or load() is None or not BOOK.decide(
             "sample.argmax", (), lambda: check(_unchecked_argmax, argmax_formula, _argmax_probe)).ok:
         return None
-    out = torch.empty(x.shape[0], dtype=torch.int64)
-    load().wb_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
-    return out
+    return _unchecked_argmax(x, None)
 
 
 def argmax_formula(x: torch.Tensor, _: torch.Tensor) -> torch.Tensor:

@@ -105,29 +105,11 @@ DEFINE_ROWDOT(4, V4, FMA4)
 DEFINE_ROWDOT(8, V8, FMA8)
 DEFINE_ROWDOT(16, V16, FMA16)
 
-/* Returns 0, or -1 when the lanes are not 4, 8 or 16 or P is below -1. */
-int wb_linear_rowdot(const float *W, const float *x, const float *bias, float *y, int64_t N, int64_t K,
-                     int64_t P, int64_t L, int fma, int num_threads) {
-    if (P < -1 || (L != 4 && L != 8 && L != 16)) return -1;
-#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t blocks = (N + ROWS - 1) / ROWS; /* a contiguous run of row blocks per thread */
-        const int64_t n0 = blocks * t / nt * ROWS, e = blocks * (t + 1) / nt * ROWS, n1 = e < N ? e : N;
-        if (n0 < n1) {
-            if (L == 4) rowdot_4(W, x, bias, y, n0, n1, K, P, fma);
-            else if (L == 8) rowdot_8(W, x, bias, y, n0, n1, K, P, fma);
-            else rowdot_16(W, x, bias, y, n0, n1, K, P, fma);
-        }
-    }
-    return 0;
-}
-
 /* Several linear layers at the same input row in one call (the direct forward's q/k/v and gate/up
- * projections), each exactly as wb_linear_rowdot computes it: layer i's outputs y[i][n] for its
- * N[i] rows of W[i]. One parallel region for all of them: each thread takes its contiguous run of
- * row blocks of every layer in turn, so a small layer (192 rows) does not pay a region of its own.
- * Returns 0, or -1 as wb_linear_rowdot does. */
+ * projections): layer i's outputs y[i][n] for its N[i] rows of W[i]. One parallel region for all
+ * of them: each thread takes its contiguous run of row blocks of every layer in turn, so a small
+ * layer (192 rows) does not pay a region of its own.
+ * Returns 0, or -1 when the lanes are not 4, 8 or 16 or P is below -1. */
 int wb_linear_rowdot_group(int64_t count, const float *const *W, const float *const *bias, float *const *y,
                            const int64_t *N, const float *x, int64_t K, int64_t P, int64_t L, int fma,
                            int num_threads) {
@@ -145,4 +127,10 @@ int wb_linear_rowdot_group(int64_t count, const float *const *W, const float *co
         }
     }
     return 0;
+}
+
+/* One layer: the group of one. */
+int wb_linear_rowdot(const float *W, const float *x, const float *bias, float *y, int64_t N, int64_t K,
+                     int64_t P, int64_t L, int fma, int num_threads) {
+    return wb_linear_rowdot_group(1, &W, &bias, &y, &N, x, K, P, L, fma, num_threads);
 }
