@@ -312,12 +312,13 @@ def test_the_one_row_kernel_sums_every_product_in_any_order_it_takes():
     lib = native.load()
     if lib is None:
         pytest.fail("the C kernels did not build: this machine's compiler is what the engine uses")
-    base, x, y = torch.randn(8 * 10 + 3), torch.randn(10), torch.empty(8)
-    for off in (0, 1, 3):  # rows at every 16-byte alignment (10 floats a row: it changes row to row)
-        w = base[off:off + 80].view(8, 10)
+    base, x = torch.randn(37 * 10 + 3), torch.randn(10)
+    # 37 rows: each thread's run cut into streams of unequal length (the last one short)
+    for n, off in ((8, 0), (8, 1), (8, 3), (37, 0), (37, 2)):  # rows at every 16-byte alignment (10 floats
+        w, y = base[off:off + n * 10].view(n, 10), torch.full((n,), float("nan"))  # a row: it changes row to row)
         for p, lanes in ((4, 4), (0, 8), (11, 4), (-1, 4), (-1, 16), (2, 16)):
-            assert lib.wb_linear_rowdot(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), 8, 10, p, lanes, 0, 2) == 0
-            assert torch.allclose(y, w @ x, rtol=1e-5, atol=1e-5), (off, p, lanes)
+            assert lib.wb_linear_rowdot(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), n, 10, p, lanes, 0, 2) == 0
+            assert torch.allclose(y, w @ x, rtol=1e-5, atol=1e-5), (n, off, p, lanes)
     for p, lanes in ((0, 3), (-2, 4)):  # 3 lanes is not a width the kernel has; -1 is the only negative
         assert lib.wb_linear_rowdot(base.data_ptr(), x.data_ptr(), None, y.data_ptr(), 8, 10, p, lanes, 0, 2) == -1
 

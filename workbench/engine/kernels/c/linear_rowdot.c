@@ -8,8 +8,11 @@
  * Why: at one row MKL's sgemm computes each output as such a dot product, and on some CPUs (AMD
  * EPYC) does so at a fraction of the memory bandwidth. With the order MKL uses on this CPU (found
  * and checked bit for bit by kernels/gemm.py) this kernel gives F.linear's bits while streaming the
- * weight at close to the copy rate: ROWS rows at a time (independent chains hide the add latency),
- * each thread one contiguous run of rows.
+ * weight at close to the copy rate. Each thread takes one contiguous run of rows and cuts it into
+ * ROWS streams, one row of each in flight at a time (independent chains hide the add latency).
+ * Streams far apart, not ROWS neighbouring rows: a neighbouring block is ROWS short runs of 2-6 KB,
+ * which the hardware prefetcher never gets ahead of (27.5 GB/s at 8 neighbours on an EPYC), where
+ * four long runs read at 36 GB/s, the copy rate (benchmarks/linear_sweep.py --rows 1).
  *
  * Built with -std=c11 -ffp-contract=off (native.py): a product and its sum are never fused unless
  * the order says fma. */
@@ -19,7 +22,7 @@
 #include <omp.h>
 #include <immintrin.h>
 
-#define ROWS 8
+#define ROWS 4 /* rows (streams) in flight at once */
 
 /* products before the row's next 16-byte boundary, as MKL peels them: 4 on an aligned row */
 static inline int64_t row_peel(const float *w) { return 4 - (int64_t)(((uintptr_t)w % 16) / 4); }
@@ -44,23 +47,27 @@ static void rowdot_one_##L(const float *w, const float *x, const float *bias, fl
 }                                                                                                  \
 static void rowdot_##L(const float *W, const float *x, const float *bias, float *y, int64_t n0,     \
                        int64_t n1, int64_t K, int64_t P, int fma) {                                \
-    for (int64_t n = n0; n < n1; n += ROWS) {                                                      \
-        const int64_t R = n1 - n < ROWS ? n1 - n : ROWS;                                           \
+    const int64_t S = (n1 - n0 + ROWS - 1) / ROWS; /* rows per stream */                           \
+    for (int64_t b = 0; b < S; b++) {                                                              \
+        int64_t m[ROWS];                                                                           \
+        int R = 0;                                                                                 \
+        for (int r = 0; r < ROWS; r++)                                                             \
+            if (n0 + r * S + b < n1) m[R++] = n0 + r * S + b;                                      \
         const float *w[ROWS];                                                                      \
         int64_t p = P;                                                                             \
         V acc[ROWS];                                                                               \
-        if (P < 0) { /* the rows of a block share their peel, or the block goes one row at a time */ \
-            p = row_peel(W + n * K);                                                               \
+        if (P < 0) { /* the rows of a step share their peel, or the step goes one row at a time */ \
+            p = row_peel(W + m[0] * K);                                                            \
             for (int r = 1; r < R; r++)                                                            \
-                if (row_peel(W + (n + r) * K) != p) {                                              \
-                    for (int64_t m = n; m < n + R; m++) rowdot_one_##L(W + m * K, x, bias ? bias + m : NULL, y + m, K, row_peel(W + m * K), fma); \
+                if (row_peel(W + m[r] * K) != p) {                                                 \
+                    for (int q = 0; q < R; q++) rowdot_one_##L(W + m[q] * K, x, bias ? bias + m[q] : NULL, y + m[q], K, row_peel(W + m[q] * K), fma); \
                     goto next;                                                                     \
                 }                                                                                  \
         }                                                                                          \
         if (p > K) p = K;                                                                          \
         const int64_t body = p + (K - p) / L * L;                                                  \
         for (int r = 0; r < ROWS; r++) {                                                           \
-            w[r] = W + (n + (r < R ? r : 0)) * K;                                                  \
+            w[r] = W + m[r < R ? r : 0] * K;                                                       \
             float s = 0.0f;                                                                        \
             for (int64_t k = 0; k < p; k++) s = fma ? fmaf(w[r][k], x[k], s) : s + w[r][k] * x[k]; \
             acc[r] = (V){0}; acc[r][0] = s;                                                        \
@@ -83,7 +90,7 @@ static void rowdot_##L(const float *W, const float *x, const float *bias, float 
                 for (int l = 0; l < width; l++) a[l] = a[l] + a[l + width];                        \
             float s = a[0];                                                                        \
             for (int64_t k = body; k < K; k++) s = fma ? fmaf(w[r][k], x[k], s) : s + w[r][k] * x[k]; \
-            y[n + r] = bias ? s + bias[n + r] : s;                                                 \
+            y[m[r]] = bias ? s + bias[m[r]] : s;                                                   \
         }                                                                                          \
     next:;                                                                                         \
     }                                                                                              \
