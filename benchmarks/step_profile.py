@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-PARTS = ("gemm", "attention", "model_other", "sampler", "batch_build", "sampling_info", "output", "tracing")
+PARTS = ("layers_c", "gemm", "attention", "model_other", "sampler", "batch_build", "sampling_info", "output", "tracing")
 
 
 class Timers:
@@ -64,8 +64,12 @@ def patched(obj: Any, attr: str, new: Any) -> Iterator[None]:
         setattr(obj, attr, old)
 
 
-def instrument(engine, timers: Timers) -> contextlib.ExitStack:
-    """Wrap the pipeline's functions in timers (undone when the returned stack closes)."""
+def instrument(engine, timers: Timers, layers_c: bool = True) -> contextlib.ExitStack:
+    """Wrap the pipeline's functions in timers (undone when the returned stack closes). `layers_c`:
+    a one-row step's layers may run as one C call (kernels/decode_layers.py, timed as "layers_c");
+    attention is then not timed on its own (a timer registered in its place is a different function,
+    for which the C call steps aside), so on a step the Python path takes it counts as the model's
+    other ops. Without it the C call is off and attention is timed."""
     from transformers import AttentionInterface
 
     import workbench.engine.engine as engine_mod
@@ -90,9 +94,16 @@ def instrument(engine, timers: Timers) -> contextlib.ExitStack:
 
     for cls in (fastmode.FastLinear, fastmode.FastMLP):  # fast mode's GEMMs (they call PackedLinear when off)
         stack.enter_context(patched(cls, "__call__", timers.wrap("gemm", cls.__call__)))
-    timed_attention = timers.wrap("attention", attention.workbench_attention)
-    AttentionInterface.register(attention.ATTN_NAME, timed_attention)
-    stack.callback(AttentionInterface.register, attention.ATTN_NAME, attention.workbench_attention)
+    from workbench.engine.kernels import decode_layers
+
+    if layers_c:
+        stack.enter_context(patched(decode_layers.DecodeLayers, "run",
+                                    timers.wrap("layers_c", decode_layers.DecodeLayers.run)))
+    else:
+        stack.enter_context(patched(decode_layers.DecodeLayers, "run", lambda self, *a, **kw: None))
+        timed_attention = timers.wrap("attention", attention.workbench_attention)
+        AttentionInterface.register(attention.ATTN_NAME, timed_attention)
+        stack.callback(AttentionInterface.register, attention.ATTN_NAME, attention.workbench_attention)
     for name in dir(tracing):
         fn = getattr(tracing, name)
         if callable(fn) and (name.endswith("_event") or name.startswith("emit_")):
@@ -124,14 +135,14 @@ def decoding_engine(loaded, batch: int, new: int = 100, **engine_kw):
 
 def profile_batch(loaded, batch: int, steps: int, trace_level: str, new: int = 100,
                   clock: Callable[[], float] = time.perf_counter, kernels: str = "exact",
-                  direct: bool = True) -> dict[str, float]:
+                  direct: bool = True, layers_c: bool = True) -> dict[str, float]:
     engine = decoding_engine(loaded, batch, new, trace_level=trace_level, kernels=kernels)
     engine.runner.use_direct = direct and engine.runner.use_direct
     for _ in range(3):  # warm: every request decoding, first-use kernel checks done
         engine.step()
     timers = Timers(clock)
     walls = []
-    with instrument(engine, timers):
+    with instrument(engine, timers, layers_c):
         for _ in range(steps):
             t = clock()
             engine.step()
@@ -142,7 +153,7 @@ def profile_batch(loaded, batch: int, steps: int, trace_level: str, new: int = 1
     gc.collect()
     acc = {k: v / steps * 1000 for k, v in timers.acc.items()}  # ms per step
     forward = acc.pop("forward", 0.0)
-    acc["model_other"] = forward - acc.get("gemm", 0.0) - acc.get("attention", 0.0)
+    acc["model_other"] = forward - acc.get("gemm", 0.0) - acc.get("attention", 0.0) - acc.get("layers_c", 0.0)
     acc["schedule"] = acc.get("schedule", 0.0)
     step = statistics.median(walls) * 1000
     mean = sum(walls) / len(walls) * 1000
@@ -169,14 +180,21 @@ def floor_table(model, rows: dict[str, dict[str, float]]) -> list[str]:
     out = [*limits.lines(), "", "| line | " + " | ".join(f"batch {b}: ms, floor, gap" for b in rows) + " |",
            "|---|" + "---|" * len(rows)]
 
+    head_bytes = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+
     def floors(name: str, r: dict[str, float]) -> dict[str, float]:
         batch = int(name.split()[0])
-        return {"gemm": 1e3 * max(limits.weight_bytes_per_token / bw,
-                                  batch * limits.flop_per_token / (limits.gemm_gflop_s * 1e9)),
-                "attention": 1e3 * r["kv_tokens"] * kv_bytes_per_token / bw,
-                "sampler": 1e3 * batch * cfg.vocab_size * 4 / bw}
+        gemm = 1e3 * max(limits.weight_bytes_per_token / bw, batch * limits.flop_per_token / (limits.gemm_gflop_s * 1e9))
+        attention = 1e3 * r["kv_tokens"] * kv_bytes_per_token / bw
+        if not r.get("layers_c"):
+            return {"gemm": gemm, "attention": attention, "sampler": 1e3 * batch * cfg.vocab_size * 4 / bw}
+        # the layers' GEMMs and attention inside the one C call; the head's GEMM outside it
+        head = gemm * head_bytes / limits.weight_bytes_per_token
+        return {"gemm": head, "layers_c": gemm - head + attention, "sampler": 1e3 * batch * cfg.vocab_size * 4 / bw}
 
-    lines = [("GEMMs", ["gemm"]), ("attention", ["attention"]), ("the model's other ops", ["model_other"]),
+    lines = [("the layers in one C call (their GEMMs, attention, norms)", ["layers_c"]),
+             ("GEMMs (outside it: the head)", ["gemm"]), ("attention", ["attention"]),
+             ("the model's other ops", ["model_other"]),
              ("sampler", ["sampler"]), ("tracing", ["tracing"]),
              ("batch building, output, scheduler, Python", ["batch_build", "sampling_info", "output", "schedule",
                                                             "python"])]
@@ -207,6 +225,9 @@ def main() -> None:
     ap.add_argument("--forward", nargs="+", default=["direct"], choices=["direct", "model"],
                     help="exact mode's forward: the direct one where its check passed, or the model's own; "
                     "both: alternated per batch size")
+    ap.add_argument("--layers", nargs="+", default=["c"], choices=["c", "python"],
+                    help="exact mode's layers at one decode row: one C call where it applies (what the engine "
+                    "runs), or the Python path per layer with attention timed; both: alternated per batch size")
     ap.add_argument("--floor", action="store_true",
                     help="also measure this machine's limits and print every line of the step against its floor")
     args = ap.parse_args()
@@ -223,11 +244,14 @@ def main() -> None:
     for b in args.batches:
         for mode in args.kernels:
             for fwd in args.forward if mode == "exact" else ["direct"]:
-                print(f"batch {b}: profiling {args.steps} decode steps (trace {args.trace}, kernels {mode}, "
-                      f"{fwd} forward)...", file=sys.stderr, flush=True)
-                name = " ".join([str(b)] + [mode] * (len(args.kernels) > 1) + [fwd] * (len(args.forward) > 1))
-                rows[name] = profile_batch(loaded, b, args.steps, args.trace, kernels=mode, direct=fwd == "direct",
-                                           clock=time.thread_time if args.clock == "cpu" else time.perf_counter)
+                for lay in args.layers if mode == "exact" and fwd == "direct" else ["python"]:
+                    print(f"batch {b}: profiling {args.steps} decode steps (trace {args.trace}, kernels {mode}, "
+                          f"{fwd} forward, layers {lay})...", file=sys.stderr, flush=True)
+                    name = " ".join([str(b)] + [mode] * (len(args.kernels) > 1) + [fwd] * (len(args.forward) > 1)
+                                    + [f"layers {lay}"] * (len(args.layers) > 1))
+                    rows[name] = profile_batch(loaded, b, args.steps, args.trace, kernels=mode, direct=fwd == "direct",
+                                               clock=time.thread_time if args.clock == "cpu" else time.perf_counter,
+                                               layers_c=lay == "c")
     load = os.getloadavg()
     print(f"\nms per decode step ({args.clock} clock), {args.model}, trace {args.trace}, {torch.get_num_threads()} "
           f"threads, {platform.processor() or platform.machine()}, load average {load[0]:.2f} at the end\n")

@@ -203,10 +203,15 @@ def flash_row(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, out: 
             and v_rows.shape == k_rows.shape and k_rows.shape[2] == d and out.shape == q.shape and keys >= 1):
         return False
     threads = torch.get_num_threads()
+    lanes = flash_lanes(heads, kv_heads, d, threads)
+    return lanes is not None and _flash_unchecked(q, k_rows, v_rows, out, scale, lanes, threads) == 0
+
+
+def flash_lanes(heads: int, kv_heads: int, d: int, threads: int) -> int | None:
+    """The vector width `attention.flash_one_row` was found bit-identical at for this head layout
+    and thread count (checked now if not yet), or None where it was refused."""
     verdict = BOOK.decide(FLASH_ROW, (heads, kv_heads, d, threads), lambda: _check_flash(heads, kv_heads, d, threads))
-    if not verdict.ok:
-        return False
-    return _flash_unchecked(q, k_rows, v_rows, out, scale, int(verdict.facts["lanes"]), threads) == 0
+    return int(verdict.facts["lanes"]) if verdict.ok else None
 
 
 def _flash_unchecked(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, out: torch.Tensor, scale: float,

@@ -175,15 +175,20 @@ class LayerOps:
 
     # --- the MLP's activation ---------------------------------------------------------------------
 
-    def silu_mul(self, act_fn: torch.nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """`act_fn(gate) * up` (LlamaMLP's), in one C pass where `mlp.silu_mul` passed for this
-        activation's class, else through torch."""
+    def silu_mul_ok(self, act_fn: torch.nn.Module) -> bool:
+        """Does `silu_mul` run the C pass for this activation module (its class's check passed, and
+        no notebook gave this module its own forward)?"""
         key = (type(act_fn).__qualname__,)
         ok = self.act_ok.get(key)
         if ok is None and native.load() is not None:
             ok = self.act_ok[key] = self.book.decide(SILU_MUL, key, lambda: self._check_silu_mul(act_fn)).ok
-        if not ok or native.load() is None or gate.dtype != torch.float32 or up.dtype != torch.float32 or gate.shape != up.shape \
-                or "forward" in vars(act_fn):  # a notebook's own forward on this module: it runs
+        return bool(ok) and native.load() is not None and "forward" not in vars(act_fn)
+
+    def silu_mul(self, act_fn: torch.nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """`act_fn(gate) * up` (LlamaMLP's), in one C pass where `mlp.silu_mul` passed for this
+        activation's class, else through torch."""
+        if not self.silu_mul_ok(act_fn) or gate.dtype != torch.float32 or up.dtype != torch.float32 \
+                or gate.shape != up.shape:
             return act_fn.forward(gate) * up
         return self._silu_mul_c(gate, up)
 

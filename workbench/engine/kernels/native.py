@@ -29,7 +29,7 @@ from workbench.engine.kernels import switch
 from workbench.engine.kernels.store import cache_root
 
 SOURCES = [Path(__file__).parent / "c" / name for name in ("decode_attention.c", "sample_draw.c", "linear_rowdot.c", "linear_rows.c", "topk.c",
-                                                                     "layer_ops.c", "flash_row.c")]
+                                                                     "layer_ops.c", "flash_row.c", "decode_layers.c")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 lock = threading.Lock()
@@ -130,6 +130,9 @@ def _load_c() -> ctypes.CDLL | None:
     rope = lib.wb_rope
     rope.restype = ctypes.c_int
     rope.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    layers = lib.wb_decode_layers
+    layers.restype = ctypes.c_int
+    layers.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
     return lib
 
 

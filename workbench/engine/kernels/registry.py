@@ -106,6 +106,14 @@ _ALL = [
                 ("workbench.engine.kernels.layer_ops",), native=True, on_disk="none",
                 note="inside the direct forward; compared with the model's activation module on probes spanning "
                 "nine decades, exp's under- and overflow, infinities and NaN; checked in every process"),
+    Replacement("forward.decode_layers", "the direct forward's layers at one decode row (~15 Python calls a layer "
+                "around norm.rms, linear.rowdot, rotary.apply, the KV write, attention.flash_one_row and mlp.silu_mul)",
+                "one C call a step making those same kernel calls with the same arguments in the same order "
+                "(kernels/c/decode_layers.c)", IDENTICAL, ("threads",), MACHINE,
+                ("workbench.engine.kernels.decode_layers",), native=True, lives=PER_OBJECT, on_disk="none",
+                note="only where each of those kernels' own checks passed and this step is one row on consecutive "
+                     "slots with the engine's attention, no capture, hook or sliding window; checked per model "
+                     "object on a one-row decode over 40 keys of scratch KV (logits and every layer's K/V)"),
     Replacement("forward.direct", "the model's own forward (module dispatch, transformers' decorators)",
                 "the direct forward: the same torch ops in the same order without the dispatch "
                 "(run/exact_forward.py)", IDENTICAL, ("model",), MODEL, ("workbench.engine.run.exact_forward",),

@@ -143,10 +143,21 @@ def forward(model: torch.nn.Module, fb: Any, layers: int | None = None) -> torch
     cos, sin = inner.rotary_emb(hidden, position_ids=pos)
     ops = _layer_ops(model, rotate)
     pending = None  # with `ops`: the last layer's MLP output, added to `hidden` inside the next norm
+    count = config.num_hidden_layers if layers is None else layers
     # islice, not `layers[:n]` as transformers writes it: slicing a ModuleList builds a new one, whose
     # add_module calls count as submodule assignments (`assignments`), which would make the runner
     # re-read the model's structure before every forward (~1 ms a step on SmolLM2)
-    for layer in itertools.islice(inner.layers, config.num_hidden_layers if layers is None else layers):
+    todo = itertools.islice(inner.layers, count)
+    if ops is not None and not fam.qk_norm:  # one decode row: every layer in one C call where it may
+        fused = _decode_layers(model)
+        from workbench.engine.run.attention import workbench_attention
+
+        plain = attend is workbench_attention and _window_free(fam, window, inner.layers, count)
+        done = fused.run(model, fb, hidden, cos, sin, count, ops, plain, assignments(),
+                         lambda: verify_decode_layers(model, fused, fb.memory.kv))
+        if done is not None:
+            (hidden, pending), todo = done, ()
+    for layer in todo:
         # LlamaDecoderLayer.forward
         if ops is None:
             residual = hidden
@@ -197,6 +208,72 @@ def forward(model: torch.nn.Module, fb: Any, layers: int | None = None) -> torch
     hidden = inner.norm.forward(hidden)
     # LlamaForCausalLM.forward: slice_logits_to_keep with a 1-D index tensor, then the head
     return model.lm_head.forward(hidden[:, rows, :])[0].float()
+
+
+def _window_free(fam: Family, window: dict[str, Any], layers: torch.nn.ModuleList, count: int) -> bool:
+    """Does no layer attend over a sliding window (the C layers call has none)?"""
+    if fam.window == "layer":
+        return all(layer.self_attn.sliding_window is None for layer in itertools.islice(layers, count))
+    return window.get("sliding_window") is None
+
+
+_fused: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _decode_layers(model: torch.nn.Module) -> Any:
+    """The model's layers bound to one C call at one decode row (kernels/decode_layers.py)."""
+    fused = _fused.get(model)
+    if fused is None:
+        from workbench.engine.kernels.decode_layers import DecodeLayers
+
+        fused = _fused[model] = DecodeLayers()
+    return fused
+
+
+def verify_decode_layers(model: torch.nn.Module, fused: Any, kv: Any) -> Verdict:
+    """`forward.decode_layers`' check: a one-row decode on scratch KV laid out as the engine's
+    (consecutive slots, the engine pool's head layout and dtype), through the Python path and
+    through the C call; the logits and every layer's K/V at the new slot compared bit for bit."""
+    from workbench.engine.run.forward_batch import ForwardMode, RowSpec, build_forward_batch
+    from workbench.engine.sched.memory import Memory
+
+    start = time.perf_counter()
+    layers = len(kv.k)
+    memory = Memory(num_layers=layers, kv_heads=kv.k[0].shape[1], head_dim=kv.k[0].shape[2], kv_tokens=48,
+                    max_running=1, max_context_len=48, dtype=kv.k[0].dtype, device="cpu")
+    vocab = int(model.config.vocab_size)
+    ids = [(7919 * i + 13) % vocab for i in range(40)]
+    a = memory.req_to_token_pool.allocate()
+    plan, calls = fused.plan, fused.calls
+    try:
+        with torch.inference_mode():
+            fused.mode = "python"
+            forward(model, build_forward_batch(ForwardMode.EXTEND, [RowSpec("a", a, 0, ids[:39], 1)], memory, "cpu"))
+            step = build_forward_batch(ForwardMode.DECODE, [RowSpec("a", a, 39, ids[39:], 1)], memory, "cpu")
+            want = forward(model, step)
+            loc = step.out_cache_loc
+            want_kv = [(k.index_select(0, loc), v.index_select(0, loc)) for k, v in zip(memory.kv.k, memory.kv.v)]
+            for k, v in zip(memory.kv.k, memory.kv.v):  # the C call must write them itself
+                k.index_fill_(0, loc, float("nan"))
+                v.index_fill_(0, loc, float("nan"))
+            fused.mode = "unchecked"
+            got = forward(model, step)
+    finally:
+        fused.mode = "checked"
+        ran = fused.calls > calls
+        fused.plan = plan  # the engine's pool's, not the scratch one's
+    facts = {"seconds": round(time.perf_counter() - start, 3)}
+    if not ran:
+        return Verdict(False, "Python path: the C call did not take the check's one-row decode", facts)
+    if not torch.equal(got, want):
+        diff = (got - want).abs().max().item()
+        return Verdict(False, f"Python path: the C call's logits differ by up to {diff:.3g}", facts)
+    for layer, (k, v) in enumerate(want_kv):
+        if not (torch.equal(k, memory.kv.k[layer].index_select(0, loc))
+                and torch.equal(v, memory.kv.v[layer].index_select(0, loc))):
+            return Verdict(False, f"Python path: layer {layer}'s K/V written by the C call differ", facts)
+    return Verdict(True, f"kernel: logits and all {layers} layers' K/V bit-identical to the Python path on a "
+                   "one-row decode over 40 keys", facts)
 
 
 _groups: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()

@@ -1,0 +1,222 @@
+"""Every decoder layer at one decode row in one C call (`forward.decode_layers`).
+
+At batch 1 the direct forward (run/exact_forward.py) makes ~15 Python calls a layer around kernels
+that are each already checked bit-identical to what they replace: the norms (`norm.rms`), the
+grouped projections (`linear.rowdot`), the rotation (`rotary.apply`), the KV write, the flash
+replay (`attention.flash_one_row`) and SiLU*up (`mlp.silu_mul`). `DecodeLayers` binds those same
+kernels, with the arguments the Python path passes them, into one call of
+`wb_decode_layers` (kernels/c/decode_layers.c) per step.
+
+Used only where the Python path would call exactly those kernels this step: one decode row on
+consecutive KV slots, nothing captured, the engine's own attention function registered, no sliding
+window, no per-head q/k norms, every projection routed to the one-row kernel with its order
+checked, every norm's and the activation's check passed, the C decode kernel refused and the flash
+replay passed for this head layout and thread count. Anything else (a notebook's hook, a replaced
+forward or weight, another thread count) and the Python path runs, as before.
+
+The composed call is itself checked once per model object, in the process (the caller's `check`:
+run/exact_forward.py `verify_decode_layers`, a one-row decode on scratch KV through both paths,
+logits and every layer's K/V compared bit for bit). Where a kernel it needs was refused, its verdict
+says which and why, and the Python path runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from workbench.engine.kernels import decode_attention, native
+from workbench.engine.kernels.book import BOOK
+from workbench.engine.kernels.verdict import Verdict
+
+NAME = "forward.decode_layers"
+
+
+class _Order(ctypes.Structure):
+    _fields_ = [("peel", ctypes.c_int64), ("lanes", ctypes.c_int64), ("fma", ctypes.c_int64)]
+
+
+_P = ctypes.c_void_p
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("ln1", _P), ("ln2", _P), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
+                ("lanes1", ctypes.c_int64), ("lanes2", ctypes.c_int64),
+                *[(n, _P) for n in ("wq", "wk", "wv", "bq", "bk", "bv", "wo", "bo", "wg", "bg", "wu", "bu", "wd", "bd")],
+                ("qkv", _Order), ("o", _Order), ("gate_up", _Order), ("down", _Order),
+                ("k_pool", _P), ("v_pool", _P), ("scale", ctypes.c_float)]
+
+
+_SCRATCH = ("x", "q", "k", "v", "qr", "kr", "attn", "o", "gate", "up", "act")
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [*[(n, ctypes.c_int64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter", "flash_lanes")],
+                ("threads", ctypes.c_int), *[(n, _P) for n in _SCRATCH]]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class DecodeLayers:
+    """One model's layers bound to the C call; `run` returns None wherever the Python path must run."""
+
+    def __init__(self) -> None:
+        self.plan: tuple | None = None  # (key, layers array or None, shape struct or why not, scratch, what `_current` compares)
+        self.mode = "checked"  # "python" inside its own check's reference forwards, "unchecked" for its C one
+        self.calls = 0  # C calls made (the check asks whether its own forward made one)
+
+    def run(self, model: torch.nn.Module, fb: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            count: int, ops: Any, plain: bool, structure: int,
+            check: Callable[[], Verdict]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(residual, pending)` after the first `count` layers (what the Python loop leaves for
+        the final norm), or None (nothing written anywhere) where this step is not one the C call
+        may take. `plain`: the caller's layers attend with the engine's own attention function and
+        no sliding window; `structure`: a count that moves when any submodule is assigned; `check`:
+        the composed call against the Python path (run/exact_forward.py), run once per model."""
+        if self.mode == "python" or not plain or hidden.shape[-2] != 1 or fb.capture is not None:
+            return None
+        meta = fb.attn
+        if meta.extend_rows or meta.decode_run is None or meta.decode_kv_idx is None or meta.decode_kv_idx.shape[0] != 1:
+            return None
+        if torch.is_grad_enabled() or hidden.dtype != torch.float32:
+            return None
+        kv = fb.memory.kv
+        threads = torch.get_num_threads()
+        cfg = model.config
+        heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+        if not decode_attention.refused(1, heads, kv_heads, int(kv.k[0].shape[-1])):
+            return None  # the C decode kernel is not refused (or not asked yet): the Python path calls it
+        key = (structure, threads, count, kv.k[0].data_ptr())
+
+        def current() -> tuple:
+            plan = self.plan
+            if plan is None or plan[0] != key or not _current(plan):
+                plan = self.plan = _make(model, ops, kv, threads, count, key)
+            return plan
+
+        if self.mode != "unchecked" and not BOOK.decide(NAME, (threads,), lambda: self._decide(current(), check),
+                                                        about=model).ok:
+            return None
+        plan = current()
+        if plan[1] is None:
+            return None  # passed before, refused since (a notebook swapped a layer or a weight): Python
+        shape = plan[2]
+        res = hidden.clone(memory_format=torch.contiguous_format)
+        pending = torch.empty_like(res)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        rc = native.load().wb_decode_layers(ctypes.addressof(plan[1]), count, ctypes.addressof(shape), res.data_ptr(),
+                                            pending.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                            int(fb.out_cache_loc[0]), meta.decode_run, meta.decode_kv_idx.shape[1])
+        if rc == -3:
+            raise MemoryError("decode layers: out of memory for the flash kernel's scratch")
+        if rc:
+            raise RuntimeError(f"decode layers: a kernel refused arguments the plan checked (code {rc})")
+        self.calls += 1
+        return res, pending
+
+    @staticmethod
+    def _decide(plan: tuple, check: Callable[[], Verdict]) -> Verdict:
+        return Verdict(False, f"Python path: {plan[2]}", {}) if plan[1] is None else check()
+
+
+def _current(plan: tuple) -> bool:
+    """Is every tensor and forward the plan looked at still the one it found, at the same address,
+    and (where the plan binds them) every projection still routed to the one-row kernel?"""
+    for obj, route_key, forward, params in plan[4]:
+        if obj.__dict__.get("forward") is not forward:
+            return False
+        if plan[1] is not None and route_key is not None and forward._routes.get(route_key) != "rowdot":
+            return False
+        for name, tensor, ptr in params:
+            held = obj._parameters.get(name)
+            if held is not tensor or (held is not None and held.data_ptr() != ptr):
+                return False
+    return True
+
+
+def _make(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, key: tuple) -> tuple:
+    """The bound arguments, or (key, None, ...) where some layer's Python path would not call the
+    kernels the C call calls."""
+    from workbench.engine.kernels.gemm import LINEAR, NAMES, ROWDOT, PackedLinear
+
+    cfg = model.config
+    inner = model.model
+    layers = list(inner.layers)[:count]
+    seen: list = []
+
+    def refused(why: str) -> tuple:
+        return key, None, why, None, seen
+
+    lib = native.load()
+    if lib is None or ops is None or not layers or kv.k[0].dtype != torch.float32 or kv.k[0].device.type != "cpu":
+        return refused("the C kernels, the layer ops or a float32 CPU KV pool are missing")
+    attn0 = layers[0].self_attn
+    d = int(attn0.head_dim)
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(cfg.num_key_value_heads)
+    hidden = int(cfg.hidden_size)
+    inter = int(layers[0].mlp.gate_proj.out_features)
+    if not ops.rope_fits(heads, kv_heads, d) or tuple(kv.k[0].shape[1:]) != (kv_heads, d):
+        return refused("rotary.apply was refused for this head layout")
+    flash = decode_attention.flash_lanes(heads, kv_heads, d, threads)
+    if flash is None or not decode_attention._sgemm_ready(lib):
+        return refused("attention.flash_one_row was refused for this head layout and thread count")
+
+    def watch(module: torch.nn.Module, route: bool) -> bool:
+        forward = module.__dict__.get("forward")
+        params = [(n, t, t.data_ptr() if t is not None else 0) for n, t in module._parameters.items()]
+        seen.append((module, (1, threads) if route else None, forward, params))
+        return all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for _, t, _ in params)
+
+    def linears(name: str, *mods: torch.nn.Module) -> _Order | str:
+        packs = [m.forward for m in mods]
+        for p, m in zip(packs, mods, strict=True):
+            if not (isinstance(p, PackedLinear) and watch(m, True)):
+                return f"{name} is not a packed float32 linear"
+            if p.route(1) != ROWDOT:
+                return f"{name} runs {NAMES.get(p.route(1), LINEAR)} at one row (its race or its check), not linear.rowdot"
+        if any(p.rowdot_order != packs[0].rowdot_order or p.in_features != packs[0].in_features for p in packs):
+            return f"{name}: the layers read in one call differ in order or width"
+        return _Order(*packs[0].rowdot_order[:2], int(packs[0].rowdot_order[2]))
+
+    def norm(module: torch.nn.Module) -> tuple | str:
+        lanes = ops._norm_lanes(module)
+        if lanes is None or not watch(module, False) or module.weight.shape != (hidden,):
+            return "norm.rms was refused for this norm"
+        return module.weight, float(module.variance_epsilon), lanes
+
+    structs = (_Layer * len(layers))()
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if not ops.silu_mul_ok(mlp.act_fn) or int(attn.head_dim) != d:
+            return refused(f"layer {i}: mlp.silu_mul was refused for its activation, or its head_dim differs")
+        if attn.q_proj.out_features != heads * d or attn.k_proj.out_features != kv_heads * d \
+                or mlp.gate_proj.out_features != inter:
+            return refused(f"layer {i}: its projections' widths differ from the config's")
+        n1, n2 = norm(layer.input_layernorm), norm(layer.post_attention_layernorm)
+        qkv = linears(f"layer {i}'s q/k/v", attn.q_proj, attn.k_proj, attn.v_proj)
+        o, gate_up = linears(f"layer {i}'s o_proj", attn.o_proj), linears(f"layer {i}'s gate/up", mlp.gate_proj, mlp.up_proj)
+        down = linears(f"layer {i}'s down_proj", mlp.down_proj)
+        for part in (n1, n2, qkv, o, gate_up, down):
+            if isinstance(part, str):
+                return refused(part if part.startswith("layer") else f"layer {i}: {part}")
+        s = structs[i]
+        s.ln1, s.eps1, s.lanes1 = n1[0].data_ptr(), n1[1], n1[2]
+        s.ln2, s.eps2, s.lanes2 = n2[0].data_ptr(), n2[1], n2[2]
+        for name, lin in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
+                          ("g", mlp.gate_proj), ("u", mlp.up_proj), ("d", mlp.down_proj)):
+            setattr(s, "w" + name, lin.weight.data_ptr())
+            setattr(s, "b" + name, _ptr(lin.bias))
+        s.qkv, s.o, s.gate_up, s.down = qkv, o, gate_up, down
+        s.k_pool, s.v_pool = kv.k[i].data_ptr(), kv.v[i].data_ptr()
+        s.scale = float(attn.scaling)
+    scratch = {n: torch.empty(size) for n, size in
+               zip(_SCRATCH, (hidden, heads * d, kv_heads * d, kv_heads * d, heads * d, kv_heads * d, heads * d, hidden,
+                              inter, inter, inter))}
+    shape = _Shape(hidden, heads, kv_heads, d, inter, flash, threads, *[t.data_ptr() for t in scratch.values()])
+    return key, structs, shape, scratch, seen
