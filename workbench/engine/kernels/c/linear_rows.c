@@ -9,7 +9,10 @@
  * checks it per shape, row count and thread count; the race decides whether it runs), and
  * computes 16 rows per vector: X is transposed once per call into a [K][RP] panel (RP = rows rounded
  * up to 16), each weight row is read once per 64 rows as broadcast scalars, and a tile of NT outputs
- * x up to 64 rows stays in registers for a block of KC products.
+ * x up to 64 rows stays in registers for a block of KC products. While a tile runs, the next tile's
+ * rows are prefetched a line of each per 16 products: a tile's NT rows are NT short runs of 2-6 KB,
+ * which the hardware prefetcher does not get ahead of (the model's sweep at 8 rows 28.6 ms against
+ * 36.6, at 32 rows 82.4 against 88.4, on the EPYC in one process).
  *
  * Built with -std=c11 -ffp-contract=off (native.py); the fma below is explicit. */
 #include <stdint.h>
@@ -49,6 +52,8 @@ static void tile_##G(const float *panel, int64_t RP, int64_t g0, const float *W,
             V16 acc[NT][G];                                                                        \
             for (int t = 0; t < NT; t++) for (int g = 0; g < G; g++) acc[t][g] = splat(0.0f);      \
             for (int64_t k = k0; k < k1; k++) {                                                    \
+                if ((k & 15) < NT) /* the next tile's rows, a line of each per 16 products */     \
+                    _mm_prefetch((const char *)(w[k & 15] + NT * K + k), _MM_HINT_T0);             \
                 V16 xv[G];                                                                         \
                 for (int g = 0; g < G; g++) xv[g] = load16(panel + k * RP + 16 * (g0 + g));        \
                 for (int t = 0; t < NT; t++) {                                                     \
