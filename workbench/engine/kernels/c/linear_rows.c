@@ -7,8 +7,8 @@
  * first; found by probing, benchmarks/mkl_order.py) but at a decode batch's few rows it is far from
  * its own rate at 256 rows. This kernel keeps the order, and so F.linear's bits (kernels/gemm.py
  * checks it per shape, row count and thread count; the race decides whether it runs), and
- * computes 16 rows per vector: X is transposed once per call into a [K][RP] panel (RP = rows rounded
- * up to 16), each weight row is read once per 64 rows as broadcast scalars, and a tile of NT outputs
+ * computes 16 rows per vector (8 at up to 8 rows): X is transposed once per call into a [K][RP] panel
+ * (RP = rows rounded up to the vector), each weight row is read once per 64 rows as broadcast scalars, and a tile of NT outputs
  * x up to 64 rows stays in registers for a block of KC products; the blocks' running sums wait in a
  * small vector buffer (in L1) and reach Y, whose rows are N floats apart, once per tile rather than
  * once per block (at 32 rows that took the model's sweep from 88 to 60 ms). While a tile runs, the next tile's
@@ -25,67 +25,73 @@
 #include <immintrin.h>
 
 typedef float V16 __attribute__((vector_size(64)));
+typedef float V8 __attribute__((vector_size(32)));
 
-static inline V16 load16(const float *p) { V16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float *p, V16 v) { memcpy(p, &v, sizeof v); }
-static inline V16 splat(float s) { return (V16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
-static inline V16 fma16(V16 a, V16 b, V16 c) {
+#define DEFINE_VEC(V, L, FMA)                                                                       \
+static inline V load_##V(const float *p) { V v; memcpy(&v, p, sizeof v); return v; }               \
+static inline void store_##V(float *p, V v) { memcpy(p, &v, sizeof v); }                           \
+static inline V splat_##V(float s) { return s - (V){0}; }                                          \
+static inline V fma_##V(V a, V b, V c) { FMA }
 #if defined(__AVX512F__)
-    return (V16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+DEFINE_VEC(V16, 16, return (V16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);)
 #else
-    V16 o;
-    for (int l = 0; l < 16; l++) o[l] = fmaf(a[l], b[l], c[l]);
-    return o;
+DEFINE_VEC(V16, 16, V16 o; for (int l = 0; l < 16; l++) o[l] = fmaf(a[l], b[l], c[l]); return o;)
 #endif
-}
+#if defined(__FMA__)
+DEFINE_VEC(V8, 8, return (V8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);)
+#else
+DEFINE_VEC(V8, 8, V8 o; for (int l = 0; l < 8; l++) o[l] = fmaf(a[l], b[l], c[l]); return o;)
+#endif
 
-/* Outputs [n0, n1) of Y [R][N] for G groups of 16 rows (panel columns from 16 g0),
+/* Outputs [n0, n1) of Y [R][N] for G groups of L rows (panel columns from L g0),
  * NT outputs at a time: NT x G accumulators stay in registers for a block of KC products, and each
  * weight row is read once for all G groups. tot: (bias +) block 0 + block 1 + ..., in that order. */
-#define DEFINE_TILE(G, NT)                                                                          \
-static void tile_##G(const float *panel, int64_t RP, int64_t g0, const float *W, const float *bias_first, \
+#define DEFINE_TILE(V, L, G, NT)                                                                          \
+static void tile_##L##_##G(const float *panel, int64_t RP, int64_t g0, const float *W, const float *bias_first, \
                      int64_t K, int64_t KC, float *Y, int64_t R, int64_t N, int64_t n0, int64_t n1) { \
-    float tot[NT][G][16] __attribute__((aligned(64))); /* the blocks' sums so far, per output */   \
+    float tot[NT][G][L] __attribute__((aligned(64))); /* the blocks' sums so far, per output */   \
     for (int64_t n = n0; n < n1; n += NT) {                                                        \
         const int64_t T = n1 - n < NT ? n1 - n : NT;                                               \
         const float *w[NT];                                                                        \
         for (int t = 0; t < NT; t++) w[t] = W + (n + (t < T ? t : 0)) * K;                         \
         for (int64_t k0 = 0; k0 < K; k0 += KC) {                                                   \
             const int64_t k1 = k0 + KC < K ? k0 + KC : K;                                          \
-            V16 acc[NT][G];                                                                        \
-            for (int t = 0; t < NT; t++) for (int g = 0; g < G; g++) acc[t][g] = splat(0.0f);      \
+            V acc[NT][G];                                                                        \
+            for (int t = 0; t < NT; t++) for (int g = 0; g < G; g++) acc[t][g] = splat_##V(0.0f);      \
             for (int64_t k = k0; k < k1; k++) {                                                    \
                 if ((k & 15) < NT) /* the next tile's rows, a line of each per 16 products */     \
                     _mm_prefetch((const char *)(w[k & 15] + NT * K + k), _MM_HINT_T0);             \
-                V16 xv[G];                                                                         \
-                for (int g = 0; g < G; g++) xv[g] = load16(panel + k * RP + 16 * (g0 + g));        \
+                V xv[G];                                                                         \
+                for (int g = 0; g < G; g++) xv[g] = load_##V(panel + k * RP + L * (g0 + g));        \
                 for (int t = 0; t < NT; t++) {                                                     \
-                    const V16 wv = splat(w[t][k]);                                                 \
-                    for (int g = 0; g < G; g++) acc[t][g] = fma16(xv[g], wv, acc[t][g]);           \
+                    const V wv = splat_##V(w[t][k]);                                                 \
+                    for (int g = 0; g < G; g++) acc[t][g] = fma_##V(xv[g], wv, acc[t][g]);           \
                 }                                                                                  \
             }                                                                                      \
             for (int t = 0; t < NT; t++)                                                           \
                 for (int g = 0; g < G; g++)                                                        \
-                    store16(tot[t][g], k0 > 0 ? load16(tot[t][g]) + acc[t][g]                      \
-                            : bias_first && t < T ? splat(bias_first[n + t]) + acc[t][g] : acc[t][g]); \
+                    store_##V(tot[t][g], k0 > 0 ? load_##V(tot[t][g]) + acc[t][g]                      \
+                            : bias_first && t < T ? splat_##V(bias_first[n + t]) + acc[t][g] : acc[t][g]); \
         }                                                                                          \
         for (int t = 0; t < T; t++)                                                                \
             for (int g = 0; g < G; g++) {                                                          \
-                const int64_t r0 = 16 * (g0 + g);                                                  \
-                for (int l = 0; l < 16 && r0 + l < R; l++) Y[(r0 + l) * N + n + t] = tot[t][g][l]; \
+                const int64_t r0 = L * (g0 + g);                                                  \
+                for (int l = 0; l < L && r0 + l < R; l++) Y[(r0 + l) * N + n + t] = tot[t][g][l]; \
             }                                                                                      \
     }                                                                                              \
 }
-DEFINE_TILE(1, 12)
-DEFINE_TILE(2, 12)
-DEFINE_TILE(3, 6)
-DEFINE_TILE(4, 5)
+DEFINE_TILE(V16, 16, 1, 12)
+DEFINE_TILE(V16, 16, 2, 12)
+DEFINE_TILE(V16, 16, 3, 6)
+DEFINE_TILE(V16, 16, 4, 5)
+DEFINE_TILE(V8, 8, 1, 12)
 
 /* Returns 0; -1 when the parameters do not fit (rows < 1, KC < 1) or memory runs out. */
 int wb_linear_rows(const float *X, const float *W, const float *bias, float *Y, int64_t R, int64_t N,
                    int64_t K, int64_t KC, int bias_first, int num_threads) {
     if (R < 1 || KC < 1 || N < 1 || K < 1) return -1;
-    const int64_t RP = (R + 15) / 16 * 16, groups = RP / 16;
+    const int64_t lanes = R <= 8 ? 8 : 16; /* up to 8 rows: 8-lane vectors, no padding rows to compute */
+    const int64_t RP = (R + lanes - 1) / lanes * lanes, groups = RP / lanes;
     float *panel = aligned_alloc(64, (size_t)(K * RP) * sizeof(float));
     if (!panel) return -1;
     for (int64_t k = 0; k < K; k++)
@@ -97,12 +103,13 @@ int wb_linear_rows(const float *X, const float *W, const float *bias, float *Y, 
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t n0 = chunks * t / nt * step, e = chunks * (t + 1) / nt * step, n1 = e < N ? e : N;
-        for (int64_t g = 0; g < groups && n0 < n1; g += 4) {
+        if (lanes == 8 && n0 < n1) tile_8_1(panel, RP, 0, W, b0, K, KC, Y, R, N, n0, n1);
+        for (int64_t g = 0; lanes == 16 && g < groups && n0 < n1; g += 4) {
             const int64_t left = groups - g;
-            if (left >= 4) tile_4(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
-            else if (left == 3) tile_3(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
-            else if (left == 2) tile_2(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
-            else tile_1(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
+            if (left >= 4) tile_16_4(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
+            else if (left == 3) tile_16_3(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
+            else if (left == 2) tile_16_2(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
+            else tile_16_1(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
         }
     }
     if (bias && !bias_first)
