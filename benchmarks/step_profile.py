@@ -165,7 +165,7 @@ def profile_batch(loaded, batch: int, steps: int, trace_level: str, new: int = 1
 
 def floor_table(model, rows: dict[str, dict[str, float]]) -> list[str]:
     """Each line of a step against what the hardware allows for it (benchmarks/limits.py, measured
-    now): the GEMMs can not beat the larger of the weights read at the copy bandwidth and their FLOP
+    now): the GEMMs can not beat the larger of the weights read at the read bandwidth and their FLOP
     at MKL's 256-row rate; attention can not beat reading the KV cache, the sampler one read of the
     logits; the rest of the step does no arithmetic the model needs to be bounded by, so all of it
     is gap."""
@@ -176,7 +176,7 @@ def floor_table(model, rows: dict[str, dict[str, float]]) -> list[str]:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_dim = cfg.num_key_value_heads * head_dim
     kv_bytes_per_token = cfg.num_hidden_layers * 2 * kv_dim * 4
-    bw = limits.copy_gb_s * 1e9
+    bw = limits.read_bandwidth
     out = [*limits.lines(), "", "| line | " + " | ".join(f"batch {b}: ms, floor, gap" for b in rows) + " |",
            "|---|" + "---|" * len(rows)]
 

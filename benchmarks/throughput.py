@@ -3,7 +3,8 @@ off, and at summary), transformers `generate()` (static left-padded batch), tran
 `generate_batch()` (continuous batching), vLLM's CPU build eager and compiled, and llama.cpp; at
 batch 1 (requests one after another) and batch 32 (all at once), each with `ignore_eos` and with
 stopping at EOS. Beside the results: the batch-1 memory-bandwidth floor and the batched compute
-ceiling, measured in the same run (limits.py).
+ceiling, measured in the same run (limits.py: before the first round and after each, the best of
+each rate kept).
 
     python benchmarks/throughput.py [--prompts 32] [--new 64] [--repeat 2] [--batch 1 32] [--stop both]
     python benchmarks/throughput.py --peers none      # only this engine and transformers
@@ -225,6 +226,9 @@ def main() -> None:
                         record((batch, eos), peer.name, peer.run(ids_of[batch], args.new, eos, batch))
                 finally:
                     peer.close()
+            again = limits_mod.measure(loaded.model)  # after each round: the floor is the run's best
+            tqdm.write(f"limits after round {rnd + 1}: " + "; ".join(again.lines()[1:]))
+            limits = limits_mod.best(limits, again)
     report(args, loaded, limits, rounds)
 
 
