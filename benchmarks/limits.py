@@ -3,10 +3,14 @@
 - the memory-bandwidth floor at batch 1: every decode step reads each weight matrix once, so a
   token takes at least (bytes of weights read per token) / (the machine's read bandwidth). The read
   bandwidth is the best of a large tensor copy (bytes read + written, as STREAM counts) and a read
-  loop in C with several streams a thread (benchmarks/c/read_bandwidth.c): one stream a thread, as
+  loop in C with several streams a thread (benchmarks/c/limits.c): one stream a thread, as
   `torch.sum` reads, runs at the hardware prefetcher's pace, not the memory's (about 27 against 55
-  GB/s on the 2-core EPYC VMs), and a kernel that reads in several streams beats a floor set by it;
-- the compute ceiling batched: (the model's FLOP per token) / (measured float32 GEMM rate).
+  GB/s on the 2-core EPYC VMs), and a kernel that reads in several streams beats a floor set by it
+  (benchmarks/c/limits.c);
+- the compute ceiling batched: (the model's FLOP per token) / (measured float32 GEMM rate), MKL's
+  at 256 rows (the rate transformers' own GEMMs reach), and beside it the machine's float32 FMA
+  peak (benchmarks/c/limits.c), which no GEMM beats (a decode batch's blocked kernel does beat
+  MKL's 256-row rate on the EPYC).
 
     python benchmarks/limits.py [--model smollm2]
 """
@@ -14,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -33,6 +38,7 @@ class Limits:
     read_gb_s: float  # bytes read per second by the C read loop (0 where no C compiler)
     gemm_gflop_s: float  # float32 GEMM at the model's shapes, 256 rows
     gemm32_gflop_s: float  # the same at 32 rows (a decode batch)
+    peak_gflop_s: float = 0.0  # the FMA peak on the widest vectors (0 where no C compiler)
 
     @property
     def read_bandwidth(self) -> float:
@@ -48,6 +54,10 @@ class Limits:
     def ceiling_tok_s(self) -> float:
         return self.gemm_gflop_s * 1e9 / self.flop_per_token
 
+    @property
+    def peak_tok_s(self) -> float:
+        return self.peak_gflop_s * 1e9 / self.flop_per_token
+
     def lines(self) -> list[str]:
         return [f"weights read per token {self.weight_bytes_per_token / 1e6:.0f} MB, "
                 f"{self.flop_per_token / 1e9:.2f} GFLOP per token",
@@ -55,7 +65,8 @@ class Limits:
                 f"{self.read_gb_s:.1f}) -> batch-1 floor {self.floor_tok_s:.1f} tok/s "
                 f"({1000 / self.floor_tok_s:.1f} ms/token)",
                 f"GEMM {self.gemm_gflop_s:.1f} GFLOP/s at 256 rows ({self.gemm32_gflop_s:.1f} at 32) -> "
-                f"batched ceiling {self.ceiling_tok_s:.0f} tok/s"]
+                f"batched ceiling {self.ceiling_tok_s:.0f} tok/s; FMA peak {self.peak_gflop_s:.1f} GFLOP/s -> "
+                f"{self.peak_tok_s:.0f} tok/s"]
 
 
 def best(a: Limits, b: Limits) -> Limits:
@@ -63,7 +74,7 @@ def best(a: Limits, b: Limits) -> Limits:
     neighbours by up to a third within minutes, and a floor must hold for the whole run."""
     return Limits(a.weight_bytes_per_token, a.flop_per_token, max(a.copy_gb_s, b.copy_gb_s),
                   max(a.read_gb_s, b.read_gb_s), max(a.gemm_gflop_s, b.gemm_gflop_s),
-                  max(a.gemm32_gflop_s, b.gemm32_gflop_s))
+                  max(a.gemm32_gflop_s, b.gemm32_gflop_s), max(a.peak_gflop_s, b.peak_gflop_s))
 
 
 def model_costs(model: torch.nn.Module) -> tuple[int, float]:
@@ -81,7 +92,7 @@ def copy_bandwidth(mb: int = 256, repeats: int = 5) -> float:
 
 
 def read_bandwidth(mb: int = 256, repeats: int = 5) -> float:
-    """Bytes read a second (GB/s) by benchmarks/c/read_bandwidth.c, best over 4 and 8 streams a
+    """Bytes read a second (GB/s) by benchmarks/c/limits.c, best over 4 and 8 streams a
     thread with and without software prefetch; 0.0 where it can not be built."""
     lib = _read_lib()
     if lib is None:
@@ -99,6 +110,20 @@ def read_bandwidth(mb: int = 256, repeats: int = 5) -> float:
     return src.numel() * 4 / fastest / 1e9
 
 
+def fma_peak(iters: int = 20_000_000, repeats: int = 3) -> float:
+    """GFLOP/s of benchmarks/c/limits.c's FMA loop on every thread; 0.0 where it can not be built."""
+    import ctypes
+
+    lib = _read_lib()
+    if lib is None:
+        return 0.0
+    threads, sink = torch.get_num_threads(), ctypes.c_float()
+    lanes = lib.wb_fma_peak(1000, threads, ctypes.byref(sink))
+    fastest = min(_timed(lambda: lib.wb_fma_peak(iters, threads, ctypes.byref(sink))) for _ in range(repeats))
+    return 2.0 * lanes * 12 * iters * threads / fastest / 1e9
+
+
+@functools.cache
 def _read_lib():
     import ctypes
     import shutil
@@ -109,7 +134,7 @@ def _read_lib():
     if compiler is None:
         return None
     out = Path(tempfile.mkdtemp()) / "read_bandwidth.so"
-    src = Path(__file__).parent / "c" / "read_bandwidth.c"
+    src = Path(__file__).parent / "c" / "limits.c"
     proc = subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", str(src), "-o", str(out)],
                           capture_output=True, timeout=120)
     if proc.returncode != 0:
@@ -117,6 +142,8 @@ def _read_lib():
     lib = ctypes.CDLL(str(out))
     lib.wb_read_streams.restype = ctypes.c_float
     lib.wb_read_streams.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.wb_fma_peak.restype = ctypes.c_int
+    lib.wb_fma_peak.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
     return lib
 
 
@@ -143,7 +170,8 @@ def _timed(fn) -> float:
 def measure(model: torch.nn.Module) -> Limits:
     with torch.inference_mode():
         weight_bytes, flop = model_costs(model)
-        return Limits(weight_bytes, flop, copy_bandwidth(), read_bandwidth(), gemm_rate(model, 256), gemm_rate(model, 32))
+        return Limits(weight_bytes, flop, copy_bandwidth(), read_bandwidth(), gemm_rate(model, 256), gemm_rate(model, 32),
+                      fma_peak())
 
 
 def main() -> None:

@@ -1,8 +1,11 @@
-/* How fast this machine reads memory: each thread sums its part of a buffer as S runs read side by
- * side, a 64-byte line of each in turn (one stream per thread is held back by how far the hardware
- * prefetcher runs ahead; several reach the memory's rate), optionally prefetching `ahead` bytes in
- * front of each. Returns the sum (so the reads are not optimized away); benchmarks/limits.py
- * times it. */
+/* What this machine allows, for benchmarks/limits.py (which times these).
+ *
+ * wb_read_streams: how fast it reads memory. Each thread sums its part of a buffer as S runs read
+ * side by side, a 64-byte line of each in turn (one stream per thread is held back by how far the
+ * hardware prefetcher runs ahead; several reach the memory's rate), optionally prefetching `ahead`
+ * bytes in front of each. Returns the sum, so the reads are not optimized away.
+ *
+ * wb_fma_peak: its float32 fused multiply-add rate, on the widest vectors it has. */
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
@@ -43,4 +46,32 @@ float wb_read_streams(const float *a, int64_t n, int64_t streams, int64_t ahead,
         total += S == 8 ? read_8(a + s0, len, ahead) : S == 4 ? read_4(a + s0, len, ahead) : read_1(a + s0, len, ahead);
     }
     return total;
+}
+
+#if defined(__AVX512F__)
+typedef float VW __attribute__((vector_size(64)));
+#define FMAW(a, b, c) (VW)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c))
+#elif defined(__FMA__)
+typedef float VW __attribute__((vector_size(32)));
+#define FMAW(a, b, c) (VW)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c))
+#else
+typedef float VW __attribute__((vector_size(32)));
+#define FMAW(a, b, c) ((a) * (b) + (c))
+#endif
+
+/* Each thread runs 12 independent chains (enough to cover the latency on two pipes), `iters`
+ * rounds. Returns the lanes of a vector (for the FLOP count: 2 x lanes x 12 x iters x threads). */
+int wb_fma_peak(int64_t iters, int threads, float *sink) {
+    float total = 0.0f;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+        VW a[12], b = 0.999f - (VW){0}, c = 1e-4f - (VW){0};
+        for (int j = 0; j < 12; j++) a[j] = (float)j * 1e-3f - (VW){0};
+        for (int64_t i = 0; i < iters; i++)
+            for (int j = 0; j < 12; j++) a[j] = FMAW(a[j], b, c);
+        for (int j = 0; j < 12; j++)
+            for (int l = 0; l < (int)(sizeof(VW) / 4); l++) total += a[j][l];
+    }
+    *sink = total;
+    return (int)(sizeof(VW) / 4);
 }
