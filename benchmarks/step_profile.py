@@ -201,7 +201,7 @@ def floor_table(model, rows: dict[str, dict[str, float]]) -> list[str]:
         return {"gemm": head, "layers_c": gemm - head + attention, "sampler": 1e3 * batch * cfg.vocab_size * 4 / bw}
 
     lines = [("the layers in one C call (their GEMMs, attention, norms)", ["layers_c"]),
-             ("GEMMs (outside it: the head)", ["gemm"]), ("attention", ["attention"]),
+             ("GEMMs (beside the C call: the head only)", ["gemm"]), ("attention", ["attention"]),
              ("the model's other ops", ["model_other"]),
              ("sampler", ["sampler"]), ("tracing", ["tracing"]),
              ("batch building, output, scheduler, Python", ["batch_build", "sampling_info", "output", "schedule",
