@@ -60,6 +60,33 @@ def test_a_hook_or_a_batch_runs_the_python_path(smollm2):
     assert fused.calls == before and all(len(ids) == 12 for ids, _ in two)
 
 
+def test_a_second_thread_on_the_same_model_takes_the_python_path(smollm2):
+    """The C call's buffers are one per model: while one thread is inside it, another thread's
+    step on the same model runs the Python path (the same tokens), never the same buffers."""
+    import threading
+
+    fused = exact_forward._decode_layers(smollm2.model)
+    alone, _ = _generate(smollm2)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with fused.lock:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        before = fused.calls
+        beside, _ = _generate(smollm2)
+        assert fused.calls == before
+    finally:
+        release.set()
+        holder.join()
+    assert beside == alone
+
+
 def test_a_weight_replaced_after_load_is_the_one_read(monkeypatch):
     """A notebook assigns a new Parameter to a projection between two requests to the same engine:
     the C call must read the new weight (its bound pointers are re-taken), as the Python path does."""

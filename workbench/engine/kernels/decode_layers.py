@@ -23,6 +23,7 @@ says which and why, and the Python path runs.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +70,9 @@ class DecodeLayers:
         self.plan: tuple | None = None  # (key, layers array or None, shape struct or why not, scratch, what `_current` compares)
         self.mode = "checked"  # "python" inside its own check's reference forwards, "unchecked" for its C one
         self.calls = 0  # C calls made (the check asks whether its own forward made one)
+        # the plan and its scratch buffers are one per model: a second thread running the same model
+        # (two engines on one loaded model) takes the Python path while the first is in here
+        self.lock = threading.RLock()
 
     def run(self, model: torch.nn.Module, fb: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             count: int, ops: Any, plain: bool, structure: int,
@@ -80,6 +84,15 @@ class DecodeLayers:
         the composed call against the Python path (run/exact_forward.py), run once per model."""
         if self.mode == "python" or not plain or hidden.shape[-2] != 1 or fb.capture is not None:
             return None
+        if not self.lock.acquire(blocking=False):  # (re-entered by its own check: an RLock)
+            return None
+        try:
+            return self._run(model, fb, hidden, cos, sin, count, ops, structure, check)
+        finally:
+            self.lock.release()
+
+    def _run(self, model: torch.nn.Module, fb: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             count: int, ops: Any, structure: int, check: Callable[[], Verdict]) -> tuple[torch.Tensor, torch.Tensor] | None:
         meta = fb.attn
         if meta.extend_rows or meta.decode_run is None or meta.decode_kv_idx is None or meta.decode_kv_idx.shape[0] != 1:
             return None
