@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -67,7 +68,8 @@ class DecodeLayers:
     """One model's layers bound to the C call; `run` returns None wherever the Python path must run."""
 
     def __init__(self) -> None:
-        self.plan: tuple | None = None  # (key, layers array or None, shape struct or why not, scratch, what `_current` compares)
+        self.plan: tuple | None = None  # (key, layers array or None, shape struct or why not, scratch, what
+        # `_current` compares, the KV pool it binds)
         self.mode = "checked"  # "python" inside its own check's reference forwards, "unchecked" for its C one
         self.calls = 0  # C calls made (the check asks whether its own forward made one)
         # the plan and its scratch buffers are one per model: a second thread running the same model
@@ -108,7 +110,9 @@ class DecodeLayers:
 
         def current() -> tuple:
             plan = self.plan
-            if plan is None or plan[0] != key or not _current(plan):
+            # the pool itself, not only an address: a new engine's pool may reuse the old one's first
+            # layer's address while its other layers moved
+            if plan is None or plan[0] != key or plan[5]() is not kv or not _current(plan):
                 plan = self.plan = _make(model, ops, kv, threads, count, key)
             return plan
 
@@ -163,7 +167,7 @@ def _make(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, k
     seen: list = []
 
     def refused(why: str) -> tuple:
-        return key, None, why, None, seen
+        return key, None, why, None, seen, weakref.ref(kv)
 
     lib = native.load()
     if lib is None or ops is None or not layers or kv.k[0].dtype != torch.float32 or kv.k[0].device.type != "cpu":
@@ -232,4 +236,4 @@ def _make(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, k
                zip(_SCRATCH, (hidden, heads * d, kv_heads * d, kv_heads * d, heads * d, kv_heads * d, heads * d, hidden,
                               inter, inter, inter))}
     shape = _Shape(hidden, heads, kv_heads, d, inter, flash, threads, *[t.data_ptr() for t in scratch.values()])
-    return key, structs, shape, scratch, seen
+    return key, structs, shape, scratch, seen, weakref.ref(kv)
