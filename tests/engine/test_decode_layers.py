@@ -108,3 +108,23 @@ def test_a_weight_replaced_after_load_is_the_one_read(monkeypatch):
     _python_path(monkeypatch)
     slow, _ = _generate(loaded)
     assert [(out.token_ids, [(t.logprob, t.top_logprobs) for t in out.logprobs])] == slow
+
+
+def test_where_the_c_decode_kernel_passed_the_report_says_why_the_python_path_runs(monkeypatch):
+    """On a CPU where `attention.decode_one_row` is bit-identical, the Python path attends through it,
+    not through the flash replay this call makes: the call steps aside and its verdict says why."""
+    from workbench.engine.kernels import BOOK, Verdict, decode_attention
+    from workbench.models import load_model
+
+    loaded = load_model("tiny-random", device="cpu")  # its own model object: its own verdict
+    cfg = loaded.model.config
+    layout = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
+    monkeypatch.setitem(BOOK.tables.setdefault(decode_attention.ONE_ROW, {}), layout,
+                        Verdict(True, "kernel: bit-identical (this test's)", {}))
+    fused = exact_forward._decode_layers(loaded.model)
+    before = fused.calls
+    _, report = _generate(loaded, params=SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+    assert fused.calls == before
+    assert [v["detail"] for v in report["verdicts"]] == [
+        "Python path: attention.decode_one_row passed its check here and runs in place of the flash replay "
+        "this call makes"]

@@ -104,8 +104,14 @@ class DecodeLayers:
         threads = torch.get_num_threads()
         cfg = model.config
         heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-        if not decode_attention.refused(1, heads, kv_heads, int(kv.k[0].shape[-1])):
-            return None  # the C decode kernel is not refused (or not asked yet): the Python path calls it
+        layout = (heads, kv_heads, int(kv.k[0].shape[-1]))
+        if not decode_attention.refused(1, *layout):  # the Python path calls the C decode kernel, if it may
+            one_row = BOOK.tables.get(decode_attention.ONE_ROW, {}).get(layout)
+            if one_row is not None and one_row.ok:  # it may (its check passed here): say why, once
+                BOOK.decide(NAME, (threads,), lambda: Verdict(
+                    False, f"Python path: {decode_attention.ONE_ROW} passed its check here and runs in place of "
+                    "the flash replay this call makes", {}), about=model)
+            return None
         key = (structure, threads, count, kv.k[0].data_ptr())
 
         def current() -> tuple:
