@@ -149,28 +149,23 @@ class DecodeLayers:
 
 def _current(plan: tuple) -> bool:
     """Is every tensor and forward the plan looked at still the one it found, at the same address,
-    and (where the plan binds them) every projection still routed to the one-row kernel?"""
-    for obj, route_key, forward, params in plan[4]:
-        if obj.__dict__.get("forward") is not forward:
-            return False
-        if plan[1] is not None and route_key is not None and forward._routes.get(route_key) != "rowdot":
-            return False
-        for name, tensor, ptr in params:
-            held = obj._parameters.get(name)
-            if held is not tensor or (held is not None and held.data_ptr() != ptr):
-                return False
-    return True
+    and (where the plan binds them) every projection still routed to the one-row kernel? Asked
+    every step: flat lists, no attribute lookups in the loops."""
+    forwards, params, routes = plan[4]
+    return all(d.get("forward") is f for d, f in forwards) \
+        and all(p.get(n) is t and (t is None or t.data_ptr() == ptr) for p, n, t, ptr in params) \
+        and (plan[1] is None or all(r.get(k) == "rowdot" for r, k in routes))
 
 
 def _make(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, key: tuple) -> tuple:
     """The bound arguments, or (key, None, ...) where some layer's Python path would not call the
     kernels the C call calls."""
-    from workbench.engine.kernels.gemm import LINEAR, NAMES, ROWDOT, PackedLinear
+    from workbench.engine.kernels.gemm import one_row_order
 
     cfg = model.config
     inner = model.model
     layers = list(inner.layers)[:count]
-    seen: list = []
+    seen: tuple[list, list, list] = ([], [], [])  # (module dict, forward), (params, name, tensor, ptr), (routes, key)
 
     def refused(why: str) -> tuple:
         return key, None, why, None, seen, weakref.ref(kv)
@@ -190,26 +185,26 @@ def _make(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, k
     if flash is None or not decode_attention._sgemm_ready(lib):
         return refused("attention.flash_one_row was refused for this head layout and thread count")
 
-    def watch(module: torch.nn.Module, route: bool) -> bool:
+    def watch(module: torch.nn.Module) -> bool:
         forward = module.__dict__.get("forward")
-        params = [(n, t, t.data_ptr() if t is not None else 0) for n, t in module._parameters.items()]
-        seen.append((module, (1, threads) if route else None, forward, params))
-        return all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for _, t, _ in params)
+        seen[0].append((module.__dict__, forward))
+        for n, t in module._parameters.items():
+            seen[1].append((module._parameters, n, t, t.data_ptr() if t is not None else 0))
+        if hasattr(forward, "_routes"):
+            seen[2].append((forward._routes, (1, threads)))
+        return all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in module._parameters.values())
 
     def linears(name: str, *mods: torch.nn.Module) -> _Order | str:
-        packs = [m.forward for m in mods]
-        for p, m in zip(packs, mods, strict=True):
-            if not (isinstance(p, PackedLinear) and watch(m, True)):
-                return f"{name} is not a packed float32 linear"
-            if p.route(1) != ROWDOT:
-                return f"{name} runs {NAMES.get(p.route(1), LINEAR)} at one row (its race or its check), not linear.rowdot"
-        if any(p.rowdot_order != packs[0].rowdot_order or p.in_features != packs[0].in_features for p in packs):
-            return f"{name}: the layers read in one call differ in order or width"
-        return _Order(*packs[0].rowdot_order[:2], int(packs[0].rowdot_order[2]))
+        if not all([watch(m) for m in mods]):
+            return f"{name} is not a packed float32 linear"
+        order = one_row_order(list(mods))
+        if isinstance(order, str):
+            return f"{name} {order}"
+        return _Order(order[0], order[1], int(order[2]))
 
     def norm(module: torch.nn.Module) -> tuple | str:
         lanes = ops._norm_lanes(module)
-        if lanes is None or not watch(module, False) or module.weight.shape != (hidden,):
+        if lanes is None or not watch(module) or module.weight.shape != (hidden,):
             return "norm.rms was refused for this norm"
         return module.weight, float(module.variance_epsilon), lanes
 

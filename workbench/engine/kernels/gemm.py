@@ -392,6 +392,23 @@ class PackedLinear:
         return self.compute(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
 
 
+def one_row_order(linears: list[torch.nn.Module]) -> tuple[int, int, bool] | str:
+    """The summation order in which layers that read the same row run as one call of the one-row
+    kernel (each one's route at one row is `linear.rowdot`, in the same order, on the same input
+    width), or why they can not."""
+    packs = [m.forward for m in linears]
+    if not packs:
+        return "no layers"
+    for p in packs:
+        if not isinstance(p, PackedLinear):
+            return "is not a packed float32 linear"
+        if p.route(1) != ROWDOT:
+            return f"runs {NAMES.get(p.route(1), LINEAR)} at one row (its race or its check), not linear.rowdot"
+    if any(p.rowdot_order != packs[0].rowdot_order or p.in_features != packs[0].in_features for p in packs):
+        return "differ in order or input width"
+    return packs[0].rowdot_order
+
+
 class RowdotGroup:
     """Linear layers that read the same one input row (a layer's q/k/v projections, its gate and up
     projections) through one call of the one-row kernel (`wb_linear_rowdot_group`): each output is
@@ -449,12 +466,9 @@ class RowdotGroup:
                          (weight.data_ptr() if weight is not None else 0, bias.data_ptr() if bias is not None else 0)))
         packs = [m.forward for m in linears]
         lib = native.load()
-        first = packs[0] if packs and isinstance(packs[0], PackedLinear) else None
-        if lib is None or first is None or not all(
-                isinstance(p, PackedLinear) and p.route(1) == ROWDOT and p.rowdot_order == first.rowdot_order
-                and p.in_features == first.in_features for p in packs):
+        if lib is None or isinstance(one_row_order(linears), str):
             return (list(linears), threads, None, 0, (), seen)
-        count = len(packs)
+        first, count = packs[0], len(packs)
         w_arr = (ctypes.c_void_p * count)(*[ptrs[0] for *_, ptrs in seen])
         b_arr = (ctypes.c_void_p * count)(*[ptrs[1] or None for *_, ptrs in seen])
         n_arr = (ctypes.c_int64 * count)(*[p.out_features for p in packs])
