@@ -24,7 +24,9 @@ MODEL, C = "tiny-random", "/v1/completions"
 PROMPTS, N, MAX_TOKENS = 5000, 16, 16
 # What the first burst may leave: pages it touches once (code, the KV pool's first pages, kernels'
 # per-shape verdicts) and Python's object arenas that its few survivors pin (BENCHMARKS.md, issue
-# 19): 2.8-3.3 MB measured. Before session 13 it left 7-8 MB: the handle table sized for 80,000 ids,
+# 19): 1.7-2.8 MB measured (2026-12-06). The model's weights are resident from load on
+# (models/loader.py page_in); before, the embedding table's pages that the burst's new tokens first
+# read added 2.1-2.4 MB of file-backed RSS here, and the test failed now and then. Before session 13 it left 7-8 MB: the handle table sized for 80,000 ids,
 # the last step's outputs and forward batch held while idle, token texts decoded during the burst
 # and a heap not trimmed after the event loop freed the request. Every later burst must add almost
 # nothing: a leak, or the allocator keeping what the burst freed, adds 5-18 MB a round.
