@@ -471,6 +471,12 @@ def test_the_verdict_file_is_keyed_by_what_the_verdicts_depend_on(monkeypatch):
     monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
     assert BOOK.store.path(BOOK.environment(REGISTRY["linear.packed"])) != here
     assert environment.machine()["torch"].endswith("+other")
+    # MKL narrowed to AVX2 (or ATen's AVX2 build, or the C kernels built without AVX512) computes
+    # other bits on the same CPU: its verdicts are not this process's
+    other_torch = BOOK.store.path(BOOK.environment(REGISTRY["linear.packed"]))
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert BOOK.store.path(BOOK.environment(REGISTRY["linear.packed"])) != other_torch
+    assert environment.machine()["isa_settings"] == "MKL_ENABLE_INSTRUCTIONS=AVX2"
     monkeypatch.setenv("WORKBENCH_REPLACEMENTS", "fresh")
     assert BOOK.store is None
     monkeypatch.delenv("WORKBENCH_REPLACEMENTS")

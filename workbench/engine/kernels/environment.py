@@ -13,6 +13,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -62,18 +63,33 @@ def _cpu() -> tuple[str, str]:
     return model, flags
 
 
+# Variables that change which instructions torch's, MKL's, oneDNN's or the C kernels' own code runs
+# on the same CPU, so which bits a replacement must match: ATen's dispatch (its AVX2 build on an
+# AVX512 CPU), MKL's code path and reproducibility mode, oneDNN's instruction cap, and extra flags
+# for the C kernels' build (native.py; `-mno-avx512f` builds what an AVX2-only CPU gets)
+ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "MKL_DEBUG_CPU_TYPE",
+                 "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "WORKBENCH_NATIVE_FLAGS")
+
 _machine: dict[str, str] | None = None
 
 
+def isa_settings() -> str:
+    """The `ISA_VARIABLES` this process has set, as `NAME=value` words ('' where none)."""
+    return " ".join(f"{n}={os.environ[n]}" for n in ISA_VARIABLES if os.environ.get(n))
+
+
 def machine() -> dict[str, str]:
-    """The CPU (model, feature flags) and torch's version and build (MKL's version is in it)."""
+    """The CPU (model, feature flags), the instruction set ATen dispatches to and the variables that
+    narrow MKL's or the C kernels' (`ISA_VARIABLES`), and torch's version and build (MKL's version is
+    in it)."""
     global _machine
-    if _machine is None or _machine["torch"] != _torch_version():
+    if _machine is None or _machine["torch"] != _torch_version() or _machine["isa_settings"] != isa_settings():
         import torch
 
         model, flags = _cpu()
         _machine = {"cpu": model, "cpu_flags_sha256": sha(flags.encode()), "torch": torch.__version__,
-                    "torch_build_sha256": sha(torch.__config__.show().encode())}
+                    "torch_build_sha256": sha(torch.__config__.show().encode()),
+                    "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(), "isa_settings": isa_settings()}
     return _machine
 
 

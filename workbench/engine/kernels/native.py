@@ -31,6 +31,13 @@ from workbench.engine.kernels.store import cache_root
 SOURCES = [Path(__file__).parent / "c" / name for name in ("decode_attention.c", "sample_draw.c", "linear_rowdot.c", "linear_rows.c", "topk.c",
                                                                      "layer_ops.c", "flash_row.c", "decode_layers.c")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# extra compiler flags, after FLAGS: `-mno-avx512f` builds the kernels' AVX2 paths on an AVX512 CPU,
+# as an AVX2-only CPU builds them (docs/kernels.md); part of the library's and the verdicts' keys
+FLAGS_VARIABLE = "WORKBENCH_NATIVE_FLAGS"
+
+
+def flags() -> list[str]:
+    return [*FLAGS, *os.environ.get(FLAGS_VARIABLE, "").split()]
 
 lock = threading.Lock()
 
@@ -56,7 +63,7 @@ def cache_dir() -> Path:
 
 def _build(compiler: str) -> Path:
     source = b"".join(path.read_bytes() for path in SOURCES)
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, platform.machine(), platform.node()]).encode())
+    key = hashlib.sha256(source + " ".join([compiler, *flags(), platform.machine(), platform.node()]).encode())
     target = cache_dir() / f"decode_attention-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -64,7 +71,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
+        proc = subprocess.run([compiler, *flags(), *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
                               text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
