@@ -5,6 +5,9 @@ reports which kernel ran and why."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -306,6 +309,38 @@ def test_a_blocked_kernel_off_by_one_ulp_is_refused_and_f_linear_runs(monkeypatc
     for shape in ("96->200", "200->64 +bias"):  # 16 and 32 rows at load, 8 on first use
         assert report[shape] == {"ok": [], "refused": [8, 16, 32]}
     assert all(m.forward.route(8) != gemm.BLOCKED for m in fast)
+
+
+def test_the_blocked_kernel_built_without_avx512_gives_the_same_bits(tmp_path):
+    # What an AVX2-only CPU builds (-mno-avx512f): 8-lane tiles at every row count, where the
+    # AVX512 build runs 16 lanes above 8 rows. Each output's fma chain is its own, so the bits must
+    # be this build's at every row count and order, with and without a bias, first or last.
+    import ctypes
+    import shutil
+    import subprocess
+
+    lib = native.load()
+    if lib is None:
+        pytest.fail("the C kernels did not build: this machine's compiler is what the engine uses")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    out = tmp_path / "rows_avx2.so"
+    src = Path(native.__file__).parent / "c" / "linear_rows.c"
+    build = subprocess.run([compiler, *native.FLAGS, "-mno-avx512f", str(src), "-o", str(out), "-lm"],
+                           capture_output=True, text=True, timeout=120)
+    assert build.returncode == 0, build.stderr[-2000:]
+    avx2 = ctypes.CDLL(str(out))
+    avx2.wb_linear_rows.argtypes, avx2.wb_linear_rows.restype = lib.wb_linear_rows.argtypes, ctypes.c_int
+    torch.manual_seed(0)
+    w, b = torch.randn(250, 400), torch.randn(250)
+    for rows in (3, 8, 9, 16, 24, 33, 64):
+        x = torch.randn(rows, 400)
+        for kc, bias, first in ((192, None, 1), (192, b, 1), (128, b, 0), (400, None, 1)):
+            got, want = torch.full((rows, 250), float("nan")), torch.full((rows, 250), float("nan"))
+            args = (x.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr())
+            assert avx2.wb_linear_rows(*args, got.data_ptr(), rows, 250, 400, kc, first, 2) == 0
+            assert lib.wb_linear_rows(*args, want.data_ptr(), rows, 250, 400, kc, first, 2) == 0
+            assert torch.equal(got, want), (rows, kc, bias is not None, first)
+            assert torch.allclose(got, x @ w.T + (0 if bias is None else bias), rtol=1e-4, atol=1e-3)
 
 
 def test_the_one_row_kernel_sums_every_product_in_any_order_it_takes():

@@ -7,7 +7,7 @@
  * first; found by probing, benchmarks/mkl_order.py) but at a decode batch's few rows it is far from
  * its own rate at 256 rows. This kernel keeps the order, and so F.linear's bits (kernels/gemm.py
  * checks it per shape, row count and thread count; the race decides whether it runs), and
- * computes 16 rows per vector (8 at up to 8 rows): X is transposed once per call into a [K][RP] panel
+ * computes 16 rows per vector (8 at up to 8 rows, and at every row count without AVX512): X is transposed once per call into a [K][RP] panel
  * (RP = rows rounded up to the vector), each weight row is read once per 64 rows as broadcast scalars, and a tile of NT outputs
  * x up to 64 rows stays in registers for a block of KC products; the blocks' running sums wait in a
  * small vector buffer (in L1) and reach Y, whose rows are N floats apart, once per tile rather than
@@ -34,8 +34,6 @@ static inline V splat_##V(float s) { return s - (V){0}; }                       
 static inline V fma_##V(V a, V b, V c) { FMA }
 #if defined(__AVX512F__)
 DEFINE_VEC(V16, 16, return (V16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);)
-#else
-DEFINE_VEC(V16, 16, V16 o; for (int l = 0; l < 16; l++) o[l] = fmaf(a[l], b[l], c[l]); return o;)
 #endif
 #if defined(__FMA__)
 DEFINE_VEC(V8, 8, return (V8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);)
@@ -80,17 +78,31 @@ static void tile_##L##_##G(const float *panel, int64_t RP, int64_t g0, const flo
             }                                                                                      \
     }                                                                                              \
 }
+DEFINE_TILE(V8, 8, 1, 12)
+#if defined(__AVX512F__)
 DEFINE_TILE(V16, 16, 1, 12)
 DEFINE_TILE(V16, 16, 2, 12)
 DEFINE_TILE(V16, 16, 3, 6)
 DEFINE_TILE(V16, 16, 4, 5)
-DEFINE_TILE(V8, 8, 1, 12)
+#define TILE(G) tile_16_##G
+#define LANES 16
+#else
+/* Without AVX512 (an AVX2-only CPU, or -mno-avx512f) more than 8 rows run as 8-lane groups, the
+ * tiles sized for 16 vector registers (NT x G accumulators, G rows of X and a weight): 16-lane
+ * vectors there were emulated lane by lane, 10x slower (32 rows 560 against 69 ms for the
+ * model's sweep), and never won the race */
+DEFINE_TILE(V8, 8, 2, 6)
+DEFINE_TILE(V8, 8, 3, 4)
+DEFINE_TILE(V8, 8, 4, 2)
+#define TILE(G) tile_8_##G
+#define LANES 8
+#endif
 
 /* Returns 0; -1 when the parameters do not fit (rows < 1, KC < 1) or memory runs out. */
 int wb_linear_rows(const float *X, const float *W, const float *bias, float *Y, int64_t R, int64_t N,
                    int64_t K, int64_t KC, int bias_first, int num_threads) {
     if (R < 1 || KC < 1 || N < 1 || K < 1) return -1;
-    const int64_t lanes = R <= 8 ? 8 : 16; /* up to 8 rows: 8-lane vectors, no padding rows to compute */
+    const int64_t lanes = R <= 8 ? 8 : LANES; /* up to 8 rows: 8-lane vectors, no padding rows to compute */
     const int64_t RP = (R + lanes - 1) / lanes * lanes, groups = RP / lanes;
     float *panel = aligned_alloc(64, (size_t)(K * RP) * sizeof(float));
     if (!panel) return -1;
@@ -103,13 +115,13 @@ int wb_linear_rows(const float *X, const float *W, const float *bias, float *Y, 
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t n0 = chunks * t / nt * step, e = chunks * (t + 1) / nt * step, n1 = e < N ? e : N;
-        if (lanes == 8 && n0 < n1) tile_8_1(panel, RP, 0, W, b0, K, KC, Y, R, N, n0, n1);
-        for (int64_t g = 0; lanes == 16 && g < groups && n0 < n1; g += 4) {
+        if (lanes == 8 && groups == 1 && n0 < n1) tile_8_1(panel, RP, 0, W, b0, K, KC, Y, R, N, n0, n1);
+        for (int64_t g = 0; lanes == LANES && (LANES > 8 || groups > 1) && g < groups && n0 < n1; g += 4) {
             const int64_t left = groups - g;
-            if (left >= 4) tile_16_4(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
-            else if (left == 3) tile_16_3(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
-            else if (left == 2) tile_16_2(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
-            else tile_16_1(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
+            if (left >= 4) TILE(4)(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
+            else if (left == 3) TILE(3)(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
+            else if (left == 2) TILE(2)(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
+            else TILE(1)(panel, RP, g, W, b0, K, KC, Y, R, N, n0, n1);
         }
     }
     if (bias && !bias_first)
