@@ -13,12 +13,16 @@
   MKL's 256-row rate on the EPYC).
 
     python benchmarks/limits.py [--model smollm2]
+
+`--isa avx2` (here and in throughput.py and step_profile.py) re-runs the script with every library
+capped to AVX2 (`ISA_CAPS`): what an AVX2-only CPU runs, on this CPU's memory, caches and clocks.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -67,6 +71,34 @@ class Limits:
                 f"GEMM {self.gemm_gflop_s:.1f} GFLOP/s at 256 rows ({self.gemm32_gflop_s:.1f} at 32) -> "
                 f"batched ceiling {self.ceiling_tok_s:.0f} tok/s; FMA peak {self.peak_gflop_s:.1f} GFLOP/s -> "
                 f"{self.peak_tok_s:.0f} tok/s"]
+
+
+# The code an AVX2-only CPU runs, chosen on an AVX512 one: ATen's AVX2 build, MKL and oneDNN capped
+# to AVX2 (which peers load too: vLLM's and transformers' GEMMs), and the C kernels and limits.c
+# built without AVX512 (workbench/engine/kernels/native.py). The verdicts of this engine's kernels
+# are kept apart for it (kernels/environment.py ISA_VARIABLES) and checked afresh.
+ISA_CAPS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                     "WORKBENCH_NATIVE_FLAGS": "-mno-avx512f"}}
+
+
+def run_capped(isa: str | None) -> None:
+    """Re-execute this script with `ISA_CAPS[isa]` set (peers started from it inherit them), unless
+    they already are; nothing for None."""
+    if isa is None:
+        return
+    caps = ISA_CAPS[isa]
+    if any(os.environ.get(k) != v for k, v in caps.items()):
+        print(f"re-running capped to {isa}: " + " ".join(f"{k}={v}" for k, v in caps.items()), flush=True)
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **caps})
+
+
+def isa_label() -> str:
+    """', capped to AVX2 (...)' where `ISA_CAPS` (or any variable that narrows the instruction set)
+    is set, else ''."""
+    from workbench.engine.kernels.environment import isa_settings
+
+    caps = isa_settings()
+    return f", capped to {torch.backends.cpu.get_cpu_capability()} ({caps})" if caps else ""
 
 
 def best(a: Limits, b: Limits) -> Limits:
@@ -135,7 +167,8 @@ def _read_lib():
         return None
     out = Path(tempfile.mkdtemp()) / "read_bandwidth.so"
     src = Path(__file__).parent / "c" / "limits.c"
-    proc = subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", str(src), "-o", str(out)],
+    extra = os.environ.get("WORKBENCH_NATIVE_FLAGS", "").split()  # as the engine's kernels are built (ISA_CAPS)
+    proc = subprocess.run([compiler, "-O3", "-march=native", *extra, "-fopenmp", "-fPIC", "-shared", str(src), "-o", str(out)],
                           capture_output=True, timeout=120)
     if proc.returncode != 0:
         return None
@@ -177,7 +210,9 @@ def measure(model: torch.nn.Module) -> Limits:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--isa", choices=sorted(ISA_CAPS), default=None, help="re-run capped to this instruction set")
     args = ap.parse_args()
+    run_capped(args.isa)
     from workbench.models import load_model
 
     limits = measure(load_model(args.model, device="cpu").model)

@@ -238,7 +238,13 @@ def main() -> None:
                     "runs), or the Python path per layer with attention timed; both: alternated per batch size")
     ap.add_argument("--floor", action="store_true",
                     help="also measure this machine's limits and print every line of the step against its floor")
+    from benchmarks import limits as limits_mod
+
+    ap.add_argument("--isa", choices=sorted(limits_mod.ISA_CAPS), default=None,
+                    help="re-run with torch, MKL, oneDNN and the C kernels capped to this instruction set "
+                    "(what an AVX2-only CPU runs; peers inherit it)")
     args = ap.parse_args()
+    limits_mod.run_capped(args.isa)
     import torch
 
     if args.threads:
@@ -262,7 +268,7 @@ def main() -> None:
                                                layers_c=lay == "c")
     load = os.getloadavg()
     print(f"\nms per decode step ({args.clock} clock), {args.model}, trace {args.trace}, {torch.get_num_threads()} "
-          f"threads, {platform.processor() or platform.machine()}, load average {load[0]:.2f} at the end\n")
+          f"threads, {platform.processor() or platform.machine()}{limits_mod.isa_label()}, load average {load[0]:.2f} at the end\n")
     print("| part | " + " | ".join(f"batch {b}" for b in rows) + " |")
     print("|---|" + "---:|" * len(rows))
     for c in cols:

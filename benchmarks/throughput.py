@@ -186,10 +186,15 @@ def main() -> None:
                     "scenario comes first, as vLLM warms up at load")
     ap.add_argument("--json", default=None)
     ap.add_argument("--repeat", type=int, default=2, help="rounds; each runner runs once per round")
+    from benchmarks import limits as limits_mod
+
+    ap.add_argument("--isa", choices=sorted(limits_mod.ISA_CAPS), default=None,
+                    help="re-run with torch, MKL, oneDNN and the C kernels capped to this instruction set "
+                    "(what an AVX2-only CPU runs; peers inherit it)")
     args = ap.parse_args()
+    limits_mod.run_capped(args.isa)
     from tqdm.auto import tqdm
 
-    from benchmarks import limits as limits_mod
     from benchmarks.peers import make_peers
     from workbench.engine.prompts import tokenize_prompt
     from workbench.models import load_model
@@ -242,10 +247,10 @@ def main() -> None:
 
 def report(args, loaded, limits, rounds: dict) -> None:
     cpu = _cpu_model()
-    print(f"\n{args.model} {loaded.dtype} on {cpu} ({_cpu_flags()}), {torch.get_num_threads()} threads, {args.repeat} rounds, "
+    print(f"\n{args.model} {loaded.dtype} on {cpu} ({_cpu_flags()}){limits_mod.isa_label()}, {torch.get_num_threads()} threads, {args.repeat} rounds, "
           f"load average {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d')}")
     print("\n".join(limits.lines()))
-    out = {"args": vars(args), "cpu": cpu, "cpu_flags": _cpu_flags(), "limits": {**{k: getattr(limits, k) for k in limits.__slots__},
+    out = {"args": vars(args), "cpu": cpu, "cpu_flags": _cpu_flags(), "isa": limits_mod.isa_label(), "limits": {**{k: getattr(limits, k) for k in limits.__slots__},
                                                       "floor_tok_s": limits.floor_tok_s,
                                                       "ceiling_tok_s": limits.ceiling_tok_s,
                                                       "peak_tok_s": limits.peak_tok_s}, "scenarios": []}
