@@ -246,6 +246,8 @@ def main() -> None:
 
 
 def report(args, loaded, limits, rounds: dict) -> None:
+    from benchmarks import limits as limits_mod
+
     cpu = _cpu_model()
     print(f"\n{args.model} {loaded.dtype} on {cpu} ({_cpu_flags()}){limits_mod.isa_label()}, {torch.get_num_threads()} threads, {args.repeat} rounds, "
           f"load average {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d')}")
