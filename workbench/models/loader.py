@@ -248,8 +248,12 @@ def page_in(model: Any) -> None:
         if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0 or t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
+        try:
+            flat = t.detach().reshape(-1).view(torch.uint8)
+        except RuntimeError:  # a dtype without a byte view (quantized): its pages come in on first read
+            continue
         with torch.no_grad():
-            t.detach().reshape(-1).view(torch.uint8)[::PAGE].sum()
+            flat[::PAGE].sum()
 
 
 def load_model(spec: str, device: str = "auto", dtype: str | None = None) -> LoadedModel:
