@@ -30,3 +30,24 @@ def test_the_embedding_table_is_resident_before_any_token_is_read():
     assert name.endswith(".safetensors"), f"the table is not read from the mapped file ({name!r})"
     # every tensor of the file is a parameter: all of the mapping but its header page is resident
     assert rss_kb >= size_kb - 8, f"{rss_kb} of {size_kb} KB of {name} resident after load"
+
+
+def test_tensors_without_a_plain_byte_view_are_left_to_their_first_read():
+    # A quantized buffer's byte view crashed the process when summed (torch 2.13), so a model holding
+    # one failed to load; a sparse one has no data pointer of its own. Run in a child: a crash is a failure.
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from workbench.models.loader import page_in
+m = torch.nn.Module()
+m.register_buffer("q", torch.quantize_per_tensor(torch.randn(4096), 0.1, 0, torch.qint8))
+m.register_buffer("s", torch.eye(3).to_sparse())
+m.register_buffer("b", torch.ones(5000, dtype=torch.bool))
+m.lin = torch.nn.Linear(64, 64)
+page_in(m)
+print("loaded")
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "loaded", run.stderr[-2000:]

@@ -245,12 +245,15 @@ def page_in(model: Any) -> None:
 
     seen: set[int] = set()
     for t in (*model.parameters(), *model.buffers()):
-        if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0 or t.data_ptr() in seen:
+        # plain strided tensors only: a quantized tensor's byte view reads back as garbage (a sum over
+        # it crashed torch 2.13); what is skipped comes in on first read, as before
+        if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or not t.is_contiguous() \
+                or t.numel() == 0 or t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
         try:
             flat = t.detach().reshape(-1).view(torch.uint8)
-        except RuntimeError:  # a dtype without a byte view (quantized): its pages come in on first read
+        except RuntimeError:  # a dtype without a byte view
             continue
         with torch.no_grad():
             flat[::PAGE].sum()
