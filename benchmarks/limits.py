@@ -81,6 +81,13 @@ ISA_CAPS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "
                      "WORKBENCH_NATIVE_FLAGS": "-mno-avx512f"}}
 
 
+def add_isa_argument(ap: argparse.ArgumentParser) -> None:
+    """`--isa`, the same in every script that measures speed; `run_capped(args.isa)` acts on it."""
+    ap.add_argument("--isa", choices=sorted(ISA_CAPS), default=None,
+                    help="re-run with torch, MKL, oneDNN and the C kernels capped to this instruction set "
+                    "(what an AVX2-only CPU runs; peers inherit it)")
+
+
 def run_capped(isa: str | None) -> None:
     """Re-execute this script with `ISA_CAPS[isa]` set (peers started from it inherit them), unless
     they already are; nothing for None."""
@@ -167,7 +174,9 @@ def _read_lib():
         return None
     out = Path(tempfile.mkdtemp()) / "read_bandwidth.so"
     src = Path(__file__).parent / "c" / "limits.c"
-    extra = os.environ.get("WORKBENCH_NATIVE_FLAGS", "").split()  # as the engine's kernels are built (ISA_CAPS)
+    from workbench.engine.kernels.native import FLAGS_VARIABLE
+
+    extra = os.environ.get(FLAGS_VARIABLE, "").split()  # as the engine's kernels are built (ISA_CAPS)
     proc = subprocess.run([compiler, "-O3", "-march=native", *extra, "-fopenmp", "-fPIC", "-shared", str(src), "-o", str(out)],
                           capture_output=True, timeout=120)
     if proc.returncode != 0:
@@ -210,7 +219,7 @@ def measure(model: torch.nn.Module) -> Limits:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--isa", choices=sorted(ISA_CAPS), default=None, help="re-run capped to this instruction set")
+    add_isa_argument(ap)
     args = ap.parse_args()
     run_capped(args.isa)
     from workbench.models import load_model

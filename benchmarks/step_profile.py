@@ -240,9 +240,7 @@ def main() -> None:
                     help="also measure this machine's limits and print every line of the step against its floor")
     from benchmarks import limits as limits_mod
 
-    ap.add_argument("--isa", choices=sorted(limits_mod.ISA_CAPS), default=None,
-                    help="re-run with torch, MKL, oneDNN and the C kernels capped to this instruction set "
-                    "(what an AVX2-only CPU runs; peers inherit it)")
+    limits_mod.add_isa_argument(ap)
     args = ap.parse_args()
     limits_mod.run_capped(args.isa)
     import torch

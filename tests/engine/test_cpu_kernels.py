@@ -316,16 +316,14 @@ def test_the_blocked_kernel_built_without_avx512_gives_the_same_bits(tmp_path):
     # AVX512 build runs 16 lanes above 8 rows. Each output's fma chain is its own, so the bits must
     # be this build's at every row count and order, with and without a bias, first or last.
     import ctypes
-    import shutil
     import subprocess
 
     lib = native.load()
     if lib is None:
         pytest.fail("the C kernels did not build: this machine's compiler is what the engine uses")
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     out = tmp_path / "rows_avx2.so"
     src = Path(native.__file__).parent / "c" / "linear_rows.c"
-    build = subprocess.run([compiler, *native.FLAGS, "-mno-avx512f", str(src), "-o", str(out), "-lm"],
+    build = subprocess.run([native.compiler(), *native.FLAGS, "-mno-avx512f", str(src), "-o", str(out), "-lm"],
                            capture_output=True, text=True, timeout=120)
     assert build.returncode == 0, build.stderr[-2000:]
     avx2 = ctypes.CDLL(str(out))

@@ -39,6 +39,11 @@ FLAGS_VARIABLE = "WORKBENCH_NATIVE_FLAGS"
 def flags() -> list[str]:
     return [*FLAGS, *os.environ.get(FLAGS_VARIABLE, "").split()]
 
+
+def compiler() -> str | None:
+    """The C compiler the kernels are built with: `CC`, else `cc`, else `gcc` (None where none is)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
 lock = threading.Lock()
 
 
@@ -83,11 +88,11 @@ def _build(compiler: str) -> Path:
 
 
 def _load_c() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(cc)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         warnings.warn(f"workbench: CPU decode-attention kernel unavailable, using torch ({exc})", stacklevel=3)
         return None
