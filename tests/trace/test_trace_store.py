@@ -74,6 +74,51 @@ def test_nan_and_infinity_round_trip_through_json() -> None:
     assert back.logprob == float("-inf") and math.isnan(back.top_logprobs[0][1])
 
 
+_any_float = st.floats() | st.sampled_from([float("nan"), float("inf"), -float("inf"), -0.0])
+_hostile = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | _any_float | st.text(max_size=6)
+    | st.sampled_from(["null", "NaN", "\ud800"]),
+    lambda c: st.lists(c, max_size=4) | st.tuples(c, c) | st.dictionaries(st.text(max_size=4) | st.integers(), c,
+                                                                          max_size=4), max_leaves=12)
+
+
+def _same_json_value(a: object, b: object) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a):
+        return math.isnan(b)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_json_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_json_value(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+@settings(max_examples=300, deadline=None)
+@given(_hostile)
+def test_the_fast_encoder_reads_back_as_the_standard_library_does(value: object) -> None:
+    # the trace writer's encoder (orjson where it is safe) against json.dumps(allow_nan=True): a NaN
+    # or infinity must stay one after a round trip, not become the null orjson writes for it
+    import json
+
+    from workbench.trace.format import json_dumps
+
+    assert _same_json_value(json.loads(json_dumps(value)), json.loads(json.dumps(value, allow_nan=True)))
+
+
+def test_a_nan_logit_in_a_written_trace_reads_back_as_nan(tmp_path: Path) -> None:
+    path = tmp_path / "nan.wbtrace"
+    events = [ev.Logits(step=1, req_id="r", t=0.5, position=0, top_ids=[3, 4], top_logits=[float("nan"), 1.0],
+                        entropy=float("inf"), tensor=None),
+              ev.TokenChosen(step=1, req_id="r", t=0.5, position=0, token_id=3, text="x", logprob=None,
+                             top_logprobs=[[3, float("-inf"), "x"], [4, 0.0, None]])]
+    with TraceWriter(path) as writer:
+        for event in events:
+            writer.write(event)
+    with open_trace(path) as trace:
+        logits, token = trace.events()
+    assert math.isnan(logits.top_logits[0]) and logits.entropy == float("inf") and logits.tensor is None
+    assert token.logprob is None and token.top_logprobs == [[3, float("-inf"), "x"], [4, 0.0, None]]
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(any_event, min_size=1, max_size=20))
 def test_events_round_trip_through_a_trace_file(events: list[ev.Event]) -> None:
