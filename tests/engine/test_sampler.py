@@ -370,3 +370,22 @@ def test_which_stages_apply_to_which_rows_matches_the_sampling_tensors() -> None
     assert info.applied("temperature")[:4] == [False, False, False, True]
     assert info.applied("top_p")[4:6] == [False, True] and info.applied("min_p")[6:8] == [False, True]
     assert info.applied("top_k")[8:13] == [False, False, True, False, False]
+
+
+def test_greedy_ranks_skip_the_count_and_still_equal_it() -> None:
+    # Rows that take the argmax of the logits get rank 1 without reading the row again
+    # (logprobs.token_logprobs): log-softmax is monotone, so no logprob is above the argmax's. The
+    # ranks must equal the counted ones on ties, on logits far apart enough that distinct values
+    # round to one logprob, on a NaN row, and on a forced row (not the argmax: counted).
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn((6, V), generator=g) * 3).round()  # many ties, the maximum among them
+    logits[1] = torch.linspace(1e6, 1e6 + 0.25, V)  # distinct logits, equal logprobs after rounding
+    logits[2, 3] = float("nan")
+    logits[3] = logits[3].max()  # one value everywhere
+    reqs = [_req(f"g{i}", temperature=0.0, logprobs=True) for i in range(6)]
+    reqs[4].forced_tokens = {0: 7}
+    out = Sampler()(logits, _info(reqs))
+    lp = torch.log_softmax(logits, dim=-1)
+    counted = [1 + int((lp[r] > lp[r, t]).sum()) for r, t in enumerate(out.next_token_ids)]
+    assert out.ranks == counted and out.forced == [4] and out.next_token_ids[4] == 7
+    assert out.ranks[4] == 1 + int((lp[4] > lp[4, 7]).sum()) > 1

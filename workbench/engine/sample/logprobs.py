@@ -32,11 +32,23 @@ class TokenLogprobs:
 
 
 def token_logprobs(lp: torch.Tensor, chosen: torch.Tensor, top_k: int,
-                   token_ids: Sequence[Sequence[int]] | None = None) -> TokenLogprobs:
-    """`lp` `[R, V]` log-probabilities, `chosen` `[R]` ids -> logprob, rank, top-k and named ids."""
+                   token_ids: Sequence[Sequence[int]] | None = None,
+                   argmax_rows: Sequence[int] = ()) -> TokenLogprobs:
+    """`lp` `[R, V]` log-probabilities, `chosen` `[R]` ids -> logprob, rank, top-k and named ids.
+
+    `argmax_rows`: rows whose chosen id is the argmax of the logits `lp` is the log-softmax of.
+    Their rank is 1 without a pass over the row: log-softmax is `(x - max) - log(sum)` in rounded
+    float steps, each monotone, so no logprob can be above the argmax's (NaN compares false)."""
     rows = lp.shape[0]
     picked = lp.gather(1, chosen.view(-1, 1).to(lp.device))[:, 0]  # [R]
-    ranks = _ranks(lp, picked)
+    if len(argmax_rows) == rows:
+        ranks = torch.ones(rows, dtype=torch.int64)
+    elif argmax_rows:
+        ranks = torch.ones(rows, dtype=torch.int64)
+        others = torch.tensor(sorted(set(range(rows)) - set(argmax_rows)), dtype=torch.int64)
+        ranks[others] = _ranks(lp[others.to(lp.device)], picked[others.to(lp.device)]).cpu()
+    else:
+        ranks = _ranks(lp, picked)
     tops: list[list[tuple[int, float]]] = [[] for _ in range(rows)]
     if top_k > 0:
         vals, ids = lp.topk(min(top_k, lp.shape[-1]), dim=-1)

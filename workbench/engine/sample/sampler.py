@@ -412,6 +412,8 @@ class Sampler:
         lp = raw_lp
         if final is not None and bool(info.processed.any()):
             lp = torch.where(info.processed[:, None], torch.log_softmax(final, dim=-1), raw_lp)
-        facts = lp_mod.token_logprobs(lp, ids, info.need_top_logprobs, info.token_ids_logprob)
+        # rows that took the argmax of the logits `lp` comes from have rank 1 (token_logprobs says why)
+        argmax_rows = [r for r in range(rows) if r not in forced] if final is None else ()
+        facts = lp_mod.token_logprobs(lp, ids, info.need_top_logprobs, info.token_ids_logprob, argmax_rows)
         return SamplerOutput(ids.tolist(), facts.logprobs, facts.ranks, facts.top, draws,
                              recorder.rows if recorder is not None else None, raw_lp, facts.token_ids, forced)
