@@ -71,6 +71,7 @@ lint: $(STAMP)
 
 bench: $(STAMP) peers
 	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/trace_cost.py
 
 traces: $(STAMP)
 	$(PY) -m workbench.cli make-traces traces/
