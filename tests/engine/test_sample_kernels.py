@@ -199,3 +199,43 @@ def test_an_entropy_kernel_in_another_order_is_refused_and_torch_sums(monkeypatc
     assert sample_kernels.entropy(lp.exp(), lp) is None
     verdict = checks.tables["sample.entropy"][(torch.get_num_threads(),)]
     assert not verdict.ok and "no listed sum order" in verdict.detail
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+@pytest.mark.parametrize("rows, vocab", [(2, 49152), (32, 49152), (3, 151936), (5, 100), (4, 65)])
+def test_the_native_log_softmax_is_torchs_to_the_bit_with_its_argmax_and_record(rows, vocab, monkeypatch):
+    # The sampler's raw logprobs and greedy pick, and the traced record of each row's distribution,
+    # from one native pass per row: every bit as torch.log_softmax, torch.argmax, lp.exp()'s
+    # torch.topk and -(p * lp).sum(-1) give them, on ties and on masked (-inf) logits.
+    checks = Book()
+    monkeypatch.setattr(sample_kernels, "BOOK", checks)
+    gen = torch.Generator().manual_seed(rows * vocab)
+    x = torch.randn(rows, vocab, generator=gen) * torch.rand(rows, 1, generator=gen) * 10 + 7
+    x[0] = (x[0] * 2).round() / 2  # ties for the maximum
+    x[-1, : vocab // 5] = float("-inf")
+    k = 1 if vocab < 320 else 10
+    out = torch.empty_like(x)
+    got = sample_kernels.log_softmax(x, out, k)
+    assert got is not None and checks.tables["sample.log_softmax"][()].ok
+    lp = torch.log_softmax(x, dim=-1)
+    p = lp.exp()
+    values, ids = p.topk(k, dim=-1)
+    assert torch.equal(out, lp) and torch.equal(got[0], x.argmax(dim=-1))
+    assert torch.equal(got[1][0], values) and torch.equal(got[1][1], ids)
+    want = -(p * lp).sum(-1)
+    assert torch.equal(got[1][2].isnan(), want.isnan()) and torch.equal(got[1][2][~want.isnan()], want[~want.isnan()])
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+def test_a_nan_batch_and_the_other_vector_width_go_to_torch(monkeypatch):
+    checks = Book()
+    monkeypatch.setattr(sample_kernels, "BOOK", checks)
+    x = torch.randn(4, 49152) * 3
+    x[2, 9] = float("nan")
+    assert sample_kernels.log_softmax(x, torch.empty_like(x)) is None  # a NaN row: torch's path
+    # the vector width torch does not run here sums in another order: refused, torch's path
+    other = 8 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 16
+    monkeypatch.setattr(sample_kernels, "BOOK", Book())
+    monkeypatch.setattr(sample_kernels, "LOG_SOFTMAX_LANES", (other,))
+    assert sample_kernels.log_softmax(torch.randn(4, 49152), torch.empty(4, 49152)) is None
+    assert not sample_kernels.BOOK.tables["sample.log_softmax"][()].ok

@@ -6,6 +6,7 @@ prompt's prefill in the engine."""
 from __future__ import annotations
 
 import math
+import shutil
 from collections import Counter
 
 import pytest
@@ -389,3 +390,28 @@ def test_greedy_ranks_skip_the_count_and_still_equal_it() -> None:
     counted = [1 + int((lp[r] > lp[r, t]).sum()) for r, t in enumerate(out.next_token_ids)]
     assert out.ranks == counted and out.forced == [4] and out.next_token_ids[4] == 7
     assert out.ranks[4] == 1 + int((lp[4] > lp[4, 7]).sum()) > 1
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="KERNEL NOT CHECKED: no C compiler on this machine")
+def test_the_native_log_softmax_pass_records_what_torchs_ops_record(monkeypatch) -> None:
+    # A traced, logprob-asking greedy batch over a real-sized vocabulary, through the native pass
+    # (kernels/sampling.log_softmax: logprobs, argmax and the model's record in one) and through
+    # torch's ops: the same tokens, logprobs, ranks, top logprobs, stage records and raw logprobs.
+    from workbench.engine.kernels import sampling as sample_kernels
+
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn((6, 49152), generator=g) * 3
+    logits[2] = (logits[2] * 2).round() / 2  # ties for the maximum
+    reqs = [_req(f"g{i}", temperature=0.0, logprobs=True, top_logprobs=3) for i in range(6)]
+    info = SamplingBatchInfo.build(reqs, 49152, "cpu", eos_token_ids=(EOS,))
+    calls = []
+    real = sample_kernels.log_softmax
+    monkeypatch.setattr(sample_kernels, "log_softmax", lambda *a: calls.append(real(*a)) or calls[-1])
+    native = Sampler()(logits, info, trace_topk=5)
+    monkeypatch.setattr(sample_kernels, "log_softmax", lambda *a: None)
+    torch_ops = Sampler()(logits, info, trace_topk=5)
+    assert calls and calls[0] is not None  # the native pass ran (its checks passed on this CPU)
+    assert (native.next_token_ids, native.logprobs, native.ranks, native.top_logprobs, native.stages) == \
+        (torch_ops.next_token_ids, torch_ops.logprobs, torch_ops.ranks, torch_ops.top_logprobs, torch_ops.stages)
+    assert torch.equal(native.raw_logprobs, torch_ops.raw_logprobs)

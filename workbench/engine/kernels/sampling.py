@@ -12,12 +12,13 @@ used only where every row agrees. Does not own: the sampling itself (engine/samp
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import torch
 
 from workbench.engine.kernels.book import BOOK
-from workbench.engine.kernels.native import load
+from workbench.engine.kernels.native import load, mkl
 from workbench.engine.kernels.verdict import Verdict
 
 Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows [R, V], per_row [R]) -> [R]
@@ -207,6 +208,134 @@ def _check_entropy(threads: int) -> Verdict:
                                f"at {lanes} lanes", {"lanes": lanes, "probes": len(probes)})
     return Verdict(False, f"torch: no listed sum order ({', '.join(map(str, ENTROPY_LANES))} lanes) gives torch's "
                    f"entropy bits at {threads} threads on this CPU", {})
+
+
+LOG_SOFTMAX_LANES = (16, 8)  # torch's Vectorized<float> width: its AVX512 kernels, its AVX2 ones
+
+
+def log_softmax(logits: torch.Tensor, out: torch.Tensor,
+                k: int = 0) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] | None:
+    """`torch.log_softmax(logits, dim=-1, out=out)` for `logits [R, V]` (two or more CPU float32
+    rows), with each row's argmax, by one native pass per row (wb_log_softmax, c/layer_ops.c: ATen's
+    own steps, SLEEF's exp and log); with `k` the traced sampler's record of each row's own
+    distribution too, `p = lp.exp()`: `torch.topk(p, k)` and `-(p * lp).sum(-1)`, without the
+    `[R, V]` p. Returns `(argmax [R], (values [R, k], ids [R, k], entropy [R]) or None)`; None where
+    it does not apply (one row, not CPU float32, a vocabulary under 64, k outside the top-k kernel's
+    range, no compiler or no MKL exp), was not found identical on this CPU, or a row holds a NaN or
+    an infinite maximum: the caller runs torch's ops, and nothing was written that it relies on."""
+    if logits.dim() != 2 or logits.shape[0] < 2 or not _rows_ok(logits) or out.shape != logits.shape \
+            or not out.is_contiguous() or out.dtype != torch.float32 or not 64 <= logits.shape[1] < 2**31 \
+            or load() is None:
+        return None
+    verdict = BOOK.decide("sample.log_softmax", (), _check_log_softmax)
+    if not verdict.ok:
+        return None
+    lanes, elanes, threads = int(verdict.facts["lanes"]), 1, torch.get_num_threads()
+    if k:
+        if not (1 <= k <= 256 and k * 64 <= logits.shape[1]) or _vexp() is None:
+            return None
+        sums = BOOK.decide("sample.entropy", (threads,), lambda: _check_entropy(threads))
+        if not sums.ok:
+            return None
+        elanes = int(sums.facts["lanes"])
+        if not BOOK.decide("sample.model_record", (threads,), lambda: _check_record(lanes, elanes, threads)).ok:
+            return None
+    return _unchecked_log_softmax(logits, out, lanes, k, elanes, threads)
+
+
+def _vexp() -> int | None:
+    """The address of MKL's vsExp in torch's own library (what torch.exp runs on CPU float32)."""
+    lib = mkl()
+    fn = getattr(lib, "vsExp", None) if lib is not None else None
+    return ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None
+
+
+def _unchecked_log_softmax(logits: torch.Tensor, out: torch.Tensor, lanes: int, k: int, elanes: int, threads: int
+                           ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] | None:
+    rows, vocab = logits.shape
+    argmax = torch.empty(rows, dtype=torch.int64)
+    vals = torch.empty(rows, max(k, 1), dtype=torch.float32)
+    ids = torch.empty(rows, max(k, 1), dtype=torch.int64)
+    entropy = torch.empty(rows, dtype=torch.float32)
+    scratch = torch.empty(max(threads, 1), vocab, dtype=torch.float32)  # one row a thread
+    rc = load().wb_log_softmax(logits.data_ptr(), rows, vocab, logits.stride(0), lanes, out.data_ptr(),
+                               argmax.data_ptr(), k, _vexp() if k else None, elanes, scratch.data_ptr(),
+                               vals.data_ptr(), ids.data_ptr(), entropy.data_ptr(), threads)
+    if rc < 0:
+        raise ValueError(f"wb_log_softmax: lanes {lanes}, k {k} or vocabulary {vocab} out of its range")
+    if rc:
+        return None  # a NaN or an infinite maximum in some row: torch's ops
+    return argmax, ((vals, ids, entropy) if k else None)
+
+
+def _log_softmax_probes() -> list[torch.Tensor]:
+    """Seeded logits: vocabularies with and without a tail past whole vectors, sharp and flat rows,
+    large offsets, ties for the maximum, -inf entries (logits a model masked)."""
+    gen = torch.Generator().manual_seed(23)
+    probes = []
+    for vocab in (49152, 32000, 151936, 50257, 1000, 64, 65, 100):
+        for scale in (0.05, 1.0, 6.0, 40.0):
+            x = torch.randn(4, vocab, generator=gen) * scale + torch.randn(4, 1, generator=gen) * 30
+            x[1] = (x[1] / 4).round() * 4  # runs of equal values, the maximum among them
+            x[2, : vocab // 3] = float("-inf")
+            probes.append(x)
+    return probes
+
+
+def _check_log_softmax() -> Verdict:
+    """The native log-softmax against torch.log_softmax (every bit) and its argmax against
+    torch.argmax, at each vector width of LOG_SOFTMAX_LANES, on the probes; a batch with a NaN
+    must be refused (left to torch). The first width matching all is kept (lanes in facts)."""
+    probes = _log_softmax_probes()
+    nan = probes[0].clone()
+    nan[3, 11] = float("nan")
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        wants = [(torch.log_softmax(x, dim=-1), x.argmax(dim=-1)) for x in probes]
+        for lanes in LOG_SOFTMAX_LANES:
+            ok = True
+            for x, (want_lp, want_arg) in zip(probes, wants, strict=True):
+                out = torch.empty_like(x)
+                got = _unchecked_log_softmax(x, out, lanes, 0, 1, threads)
+                if got is None or not torch.equal(out, want_lp) or not torch.equal(got[0], want_arg):
+                    ok = False
+                    break
+            if ok and _unchecked_log_softmax(nan, torch.empty_like(nan), lanes, 0, 1, threads) is None:
+                return Verdict(True, f"kernel: torch.log_softmax's bits and torch.argmax on all {len(probes)} probe "
+                               f"batches at {lanes} lanes; a NaN batch left to torch", {"lanes": lanes,
+                                                                                      "probes": len(probes)})
+    return Verdict(False, f"torch: no listed vector width ({', '.join(map(str, LOG_SOFTMAX_LANES))}) gives "
+                   "torch.log_softmax's bits on this CPU", {})
+
+
+def _check_record(lanes: int, elanes: int, threads: int) -> Verdict:
+    """The fused record (exp of the log-softmax, its top-k, its entropy) against torch's
+    `lp.exp()`, `torch.topk` and `-(p * lp).sum(-1)` on the probes at every k of TOPK_KS that applies."""
+    batches = mismatches = 0
+    with torch.inference_mode():
+        for x in _log_softmax_probes():
+            lp = torch.log_softmax(x, dim=-1)
+            p = lp.exp()
+            want_entropy = -(p * lp).sum(-1)
+            for k in TOPK_KS:
+                if k * 64 > x.shape[1]:
+                    continue
+                want_v, want_i = p.topk(k, dim=-1)
+                got = _unchecked_log_softmax(x, torch.empty_like(x), lanes, k, elanes, threads)
+                batches += 1
+                if got is None or got[1] is None:
+                    mismatches += 1
+                    continue
+                got_v, got_i, got_e = got[1]
+                same = torch.equal(got_v, want_v) and torch.equal(got_i, want_i) and \
+                    torch.equal(got_e.isnan(), want_entropy.isnan()) and \
+                    bool((got_e == want_entropy).logical_or(got_e.isnan()).all())
+                mismatches += not same
+    facts = {"batches": batches, "mismatches": mismatches}
+    if mismatches == 0:
+        return Verdict(True, f"kernel: lp.exp()'s top-k and entropy to the bit on all {batches} probe batches", facts)
+    return Verdict(False, f"torch: the fused record differed from lp.exp(), torch.topk and the entropy on "
+                   f"{mismatches} of {batches} probe batches", facts)
 
 
 def sample_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -247,13 +247,14 @@ class StageRecorder:
     """Per row, the top-k distribution after every stage (only built when tracing asks for it)."""
 
     def __init__(self, k: int, logits: torch.Tensor, info: SamplingBatchInfo,
-                 logprobs: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> None:
+                 logprobs: torch.Tensor | None = None, scratch: Callable[[], torch.Tensor] | None = None,
+                 model: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         self.k = min(k, logits.shape[-1])
         self.info = info
         self.rows: list[list[dict[str, Any]]] = [[] for _ in range(logits.shape[0])]
         self._lp = torch.log_softmax(logits, dim=-1) if logprobs is None else logprobs
         self._prev: torch.Tensor | None = None  # the previous record's probabilities, when a stage needs them
-        self._add_model(scratch)
+        self._add_model(scratch, model)
 
     @property
     def prev(self) -> torch.Tensor:
@@ -261,16 +262,22 @@ class StageRecorder:
             self._prev = self._lp.exp()
         return self._prev
 
-    def _add_model(self, scratch: torch.Tensor | None) -> None:
-        """The model's own distribution, its top-k and entropy, in one `[R, V]` buffer reused step after
-        step (`scratch`): exp, then top-k, then p * log p in place and the row sums. The same ops as on
-        fresh tensors, so the same values, without two vocabulary-sized allocations per step."""
+    def _add_model(self, scratch: Callable[[], torch.Tensor] | None,
+                   model: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+        """The model's own distribution, its top-k and entropy: given (`model`, from the sampler's
+        native log-softmax pass), or in one `[R, V]` buffer reused step after step (`scratch()`):
+        exp, then top-k, then p * log p in place and the row sums. The same ops as on fresh tensors,
+        so the same values, without vocabulary-sized allocations per step."""
         lp = self._lp
-        probs = torch.exp(lp, out=scratch) if scratch is not None else lp.exp()
-        vals, ids = sampling.topk(probs, self.k)
-        # log-softmax of the raw (finite) logits: no 0 * -inf to guard
-        native = sampling.entropy(probs, lp)  # the same bits in one pass (kernels/sampling.py)
-        entropy = (native if native is not None else -(probs.mul_(lp).sum(-1))).tolist()
+        if model is not None:
+            vals, ids, entropy_t = model
+            entropy = entropy_t.tolist()
+        else:
+            probs = torch.exp(lp, out=scratch()) if scratch is not None else lp.exp()
+            vals, ids = sampling.topk(probs, self.k)
+            # log-softmax of the raw (finite) logits: no 0 * -inf to guard
+            native = sampling.entropy(probs, lp)  # the same bits in one pass (kernels/sampling.py)
+            entropy = (native if native is not None else -(probs.mul_(lp).sum(-1))).tolist()
         rows, vocab = lp.shape
         self._append("logits", vals, ids, [1.0] * rows, [vocab] * rows, entropy, [True] * rows)
 
@@ -397,15 +404,20 @@ class Sampler:
             ids, forced = _force(first_argmax(logits), info)
             return SamplerOutput(ids.tolist(), [math.nan] * rows, [0] * rows, [[] for _ in range(rows)],
                                  [None] * rows, None, None, [{} for _ in range(rows)], forced)
-        raw_lp = torch.log_softmax(logits, dim=-1, out=self._buffer("raw_logprobs", logits))
-        recorder = StageRecorder(trace_topk, logits, info, raw_lp, self._buffer("stages", logits)) \
-            if trace_topk and rows else None
+        raw_lp = self._buffer("raw_logprobs", logits)
+        # the log-softmax and each row's argmax (and, traced, the record of the model's distribution)
+        # in one native pass per row where it was found identical to torch's ops (kernels/sampling.py)
+        native = sampling.log_softmax(logits, raw_lp, min(trace_topk, logits.shape[-1]) if rows else 0)
+        if native is None:
+            torch.log_softmax(logits, dim=-1, out=raw_lp)
+        recorder = StageRecorder(trace_topk, logits, info, raw_lp, lambda: self._buffer("stages", logits),
+                                 native[1] if native is not None else None) if trace_topk and rows else None
         if info.needs_stages or (recorder is not None and info.any_stage_applied()):
             final = self.process(logits, info, recorder)
             ids, u = self.draw(self._final_probs(final, info), info)
             draws = [None if math.isnan(x) else x for x in u.tolist()]
         else:  # every row greedy and no stage touches any row: the argmax of the raw logits
-            final, ids, draws = None, first_argmax(logits), [None] * rows
+            final, ids, draws = None, native[0] if native is not None else first_argmax(logits), [None] * rows
             for stage in self.stage_order if recorder is not None else ():
                 recorder.record(stage, logits)  # applies to no row: repeats the logits record
         ids, forced = _force(ids, info)

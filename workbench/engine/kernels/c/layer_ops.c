@@ -15,7 +15,9 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stddef.h>
 #include <string.h>
+#include <omp.h>
 
 #define ILP 4
 #define LEVELS 4
@@ -174,6 +176,105 @@ int wb_silu_mul(const float *gate, const float *up, float *out, int64_t n, int n
     }
     return 0;
 }
+static inline int32_t bits_of(float f) {
+    int32_t b;
+    memcpy(&b, &f, sizeof b);
+    return b;
+}
+
+static inline float of_bits(int32_t b) {
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+
+/* SLEEF's xlogf_u1 (Sleef_logf16_u10 / logf8_u10, torch's Vectorized<float>::log) for a positive,
+ * normal, finite d, one lane: the exponent and mantissa by getexp/getmant (`avx512`) or by
+ * ilogb2k/ldexp3k (the AVX2 build), then its double-float steps with fused multiply-adds. */
+static float sleef_logf_u10(float d, int avx512) {
+    const int32_t q = ((bits_of(d * (1.0f / 0.75f)) >> 23) & 0xff) - 0x7f;
+    float m;
+    if (avx512) { /* _mm512_getmant_ps(d, _MM_MANT_NORM_p75_1p5, _MM_MANT_SIGN_nan) */
+        const int32_t frac = bits_of(d) & 0x7fffff;
+        m = of_bits(frac | ((frac & 0x400000) ? 0x7e << 23 : 0x7f << 23));
+    } else {
+        m = of_bits(bits_of(d) + (int32_t)((uint32_t)(-q) << 23));
+    }
+    const float e = (float)q;
+    const float nx = -1.0f + m, nv = nx - (-1.0f), ny = (-1.0f - (nx - nv)) + (m - nv); /* dfadd2(-1, m) */
+    const float dx = 1.0f + m, dv = dx - 1.0f, dy = (1.0f - (dx - dv)) + (m - dv);      /* dfadd2(1, m) */
+    const float t = 1.0f / dx, s = nx * t;                                                /* dfdiv */
+    const float u = fmaf(t, nx, -s), v = fmaf(-dy, t, fmaf(-dx, t, 1.0f));
+    const float xx = s, xy = fmaf(s, v, fmaf(ny, t, u));
+    const float x2 = xx * xx;
+    float p = 0.3027294874e+0f;
+    p = fmaf(p, x2, 0.3996108174e+0f);
+    p = fmaf(p, x2, 0.6666694880e+0f);
+    const float hi = 0.69314718246459960938f, lo = -1.904654323148236017e-09f;
+    const float sx = hi * e, sy = fmaf(lo, e, fmaf(hi, e, -sx)); /* dfmul((hi, lo), e) */
+    const float yx = xx * 2.0f, yy = xy * 2.0f;                  /* dfadd(s, dfscale(x, 2)) */
+    const float r0 = sx + yx, r1 = (((sx - r0) + yx) + sy) + yy;
+    const float w = (x2 * xx) * p;                               /* dfadd(s, x2 * x * t) */
+    const float q0 = r0 + w, q1 = ((r0 - q0) + w) + r1;
+    return q0 + q1;
+}
+
+/* The row's maximum; 1 where it holds a NaN or the maximum is not finite (torch's path then). */
+static int row_max(const float *restrict x, int64_t n, float *out) {
+    float mx = -INFINITY; /* the maximum of floats without NaN does not depend on the order */
+    int bad = 0;
+#pragma omp simd reduction(max : mx) reduction(| : bad)
+    for (int64_t j = 0; j < n; j++) {
+        const float v = x[j];
+        mx = v > mx ? v : mx;
+        bad |= v != v;
+    }
+    *out = mx;
+    return bad || !isfinite(mx);
+}
+
+/* One row of torch.log_softmax (ATen's serial_vec_log_softmax_lastdim_range at `lanes` floats a
+ * vector): the maximum; the exps of x - max summed as vec::map_reduce_all does (one vector of
+ * partial sums over the row, the tail's lanes added into the first ones, then vec_reduce_all's
+ * halving tree); SLEEF's log of the sum; out = (x - max) - log.
+ * The argmax (first index of the maximum) too. Returns 1 where torch's path must run. */
+static int log_softmax_row(const float *restrict x, int64_t n, int lanes, float *restrict out, int64_t *argmax) {
+    float mx;
+    if (n < lanes || row_max(x, n, &mx)) return 1;
+    /* the exps of whole vectors added lane by lane into acc as map_reduce_all adds them (the first
+     * vector starts acc), kept in registers: a row of exps written out and read back was the slower
+     * way; then the tail's lanes into the first ones of acc */
+    const int64_t whole = n - n % lanes;
+    float acc[16];
+    if (lanes == 16) {
+        for (int i = 0; i < 16; i++) acc[i] = sleef_expf_u10(x[i] - mx);
+        for (int64_t d = 16; d < whole; d += 16) {
+            float v[16];
+            for (int i = 0; i < 16; i++) v[i] = sleef_expf_u10(x[d + i] - mx);
+            for (int i = 0; i < 16; i++) acc[i] = acc[i] + v[i];
+        }
+    } else {
+        for (int i = 0; i < 8; i++) acc[i] = sleef_expf_u10(x[i] - mx);
+        for (int64_t d = 8; d < whole; d += 8) {
+            float v[8];
+            for (int i = 0; i < 8; i++) v[i] = sleef_expf_u10(x[d + i] - mx);
+            for (int i = 0; i < 8; i++) acc[i] = acc[i] + v[i];
+        }
+    }
+    for (int64_t i = 0; whole + i < n; i++) acc[i] = acc[i] + sleef_expf_u10(x[whole + i] - mx);
+    for (int half = lanes / 2; half >= 1; half /= 2) {
+        float next[16];
+        for (int i = 0; i < lanes; i++) next[i] = acc[i] + acc[i ^ half];
+        memcpy(acc, next, sizeof(float) * (size_t)lanes);
+    }
+    const float lse = sleef_logf_u10(acc[0], lanes == 16);
+    for (int64_t j = 0; j < n; j++) out[j] = (x[j] - mx) - lse;
+    int64_t first = 0;
+    while (x[first] != mx) first++;
+    *argmax = first;
+    return 0;
+}
+
 #pragma GCC pop_options
 
 /* Per row of p and lp ([rows, n], row stride `stride`): -(sum of p[i] * lp[i]), the entropy the
@@ -200,4 +301,43 @@ int wb_entropy(const float *p, const float *lp, int64_t rows, int64_t n, int64_t
         out[r] = -total;
     }
     return 0;
+}
+
+void wb_topk_row(const float *x, int64_t V, int64_t k, float *vals, int64_t *ids); /* topk.c */
+typedef void (*vexp_fn)(int n, const float *a, float *r);                        /* MKL's vsExp */
+
+/* The traced sampler's first pass, per row of logits x [rows, n] (row stride `stride`), rows >= 2,
+ * one task per row: lp = torch.log_softmax(x) into out [rows, n] and the argmax of x (argmax [rows]);
+ * with k > 0 also the record of the row's own distribution: p = exp(lp) by the exp torch.exp runs
+ * (MKL's vsExp at `vexp`), its top-k as wb_topk, its entropy -(p * lp).sum() as wb_entropy sums it
+ * (at `elanes`), with p in a per-thread row of `scratch` [threads, n] that stays in cache.
+ * Returns 0; 1 where a row holds a NaN or an infinite maximum (nothing is decided: run torch's
+ * path for the batch); -1 for arguments out of range. */
+int wb_log_softmax(const float *x, int64_t rows, int64_t n, int64_t stride, int lanes, float *out, int64_t *argmax,
+                   int64_t k, void *vexp, int elanes, float *scratch, float *vals, int64_t *ids, float *entropy,
+                   int threads) {
+    if ((lanes != 16 && lanes != 8) || n < lanes || n > 2147483647 || rows < 1) return -1;
+    if (k > 0 && (k > 256 || k * 64 > n || vexp == NULL || !lanes_ok(elanes))) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1) if (rows > 1)
+    {
+        float *e = scratch + (ptrdiff_t)omp_get_thread_num() * n;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            float *lp = out + r * n;
+            if (log_softmax_row(x + r * stride, n, lanes, lp, argmax + r)) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            if (k > 0) {
+                ((vexp_fn)vexp)((int)n, lp, e);
+                wb_topk_row(e, n, k, vals + r * k, ids + r * k);
+                float total = 0.0f; /* as wb_entropy adds a batch row's one sum */
+                total += torch_sum_products(e, lp, n, elanes);
+                entropy[r] = -total;
+            }
+        }
+    }
+    return failed;
 }

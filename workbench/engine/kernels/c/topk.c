@@ -79,6 +79,12 @@ static void topk_row(const float *x, int64_t V, int64_t k, float *vals, int64_t 
     for (int64_t j = 0; j < k; j++) { vals[j] = h[j].v; ids[j] = h[j].i; }
 }
 
+/* One row's top-k as wb_topk gives it (layer_ops.c's fused log-softmax record calls it). */
+void wb_topk_row(const float *x, int64_t V, int64_t k, float *vals, int64_t *ids) {
+    pair_t heap[256];
+    topk_row(x, V, k, vals, ids, heap);
+}
+
 /* x: [R, V] with row stride `stride`; vals [R, k], ids [R, k]. Returns 0, or -1 when k is out of
  * [1, 256] or k * 64 > V (torch takes its other path, nth_element, there). */
 int wb_topk(const float *x, int64_t R, int64_t V, int64_t stride, int64_t k, float *vals, int64_t *ids,
