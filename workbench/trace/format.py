@@ -79,16 +79,15 @@ def _json_default(obj: Any) -> Any:
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=True, default=_json_default)
 # orjson where it encodes as the standard library does: dataclasses and datetimes go through
 # `_json_default` as they do there, and what orjson leaves to its default that the standard
-# library encodes itself (a namedtuple, a float subclass) is turned into the plain type first
+# library encodes itself (a namedtuple, a float subclass; dict and list subclasses orjson encodes)
+# is turned into the plain type first
 _ORJSON_OPTIONS = (orjson.OPT_NON_STR_KEYS | orjson.OPT_PASSTHROUGH_DATACLASS
                    | orjson.OPT_PASSTHROUGH_DATETIME) if orjson is not None else 0
 
 
 def _orjson_default(obj: Any) -> Any:
-    if isinstance(obj, (tuple, list)):
+    if isinstance(obj, tuple):
         return list(obj)
-    if isinstance(obj, dict):
-        return dict(obj)
     if isinstance(obj, float):
         return float(obj)
     return _json_default(obj)

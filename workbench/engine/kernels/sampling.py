@@ -5,7 +5,9 @@ Owns: `sample_draw` (the sampler's float64-cumsum inverse-CDF draw, registry.py'
 (the greedy pick, torch.argmax's index, `sample.argmax`), all in c/sample_draw.c; `entropy` (the
 traced sampler's `-(p * lp).sum(-1)` in torch's summation order, `sample.entropy`,
 c/layer_ops.c); `topk` (the traced sampler's top-k with torch.topk's tie order, `sample.topk`,
-c/topk.c); their formulas (`draw_formula`, `count_formula`, torch.topk); and their check: the kernel
+c/topk.c); `log_softmax` (the sampler's torch.log_softmax and argmax, and the traced record of
+each row's distribution, in one pass per row: `sample.log_softmax` and `sample.model_record`,
+c/layer_ops.c); their formulas (`draw_formula`, `count_formula`, torch.topk); and their check: the kernel
 and the formula on seeded probe rows (ties, -inf tails, a NaN row, the top end of `u`), the kernel
 used only where every row agrees. Does not own: the sampling itself (engine/sample/).
 """
@@ -230,9 +232,10 @@ def log_softmax(logits: torch.Tensor, out: torch.Tensor,
     verdict = BOOK.decide("sample.log_softmax", (), _check_log_softmax)
     if not verdict.ok:
         return None
-    lanes, elanes, threads = int(verdict.facts["lanes"]), 1, torch.get_num_threads()
+    lanes, elanes, threads, vexp = int(verdict.facts["lanes"]), 1, torch.get_num_threads(), None
     if k:
-        if not (1 <= k <= 256 and k * 64 <= logits.shape[1]) or _vexp() is None:
+        vexp = _vexp()
+        if not (1 <= k <= 256 and k * 64 <= logits.shape[1]) or vexp is None:
             return None
         sums = BOOK.decide("sample.entropy", (threads,), lambda: _check_entropy(threads))
         if not sums.ok:
@@ -240,7 +243,7 @@ def log_softmax(logits: torch.Tensor, out: torch.Tensor,
         elanes = int(sums.facts["lanes"])
         if not BOOK.decide("sample.model_record", (threads,), lambda: _check_record(lanes, elanes, threads)).ok:
             return None
-    return _unchecked_log_softmax(logits, out, lanes, k, elanes, threads)
+    return _unchecked_log_softmax(logits, out, lanes, k, elanes, threads, vexp)
 
 
 def _vexp() -> int | None:
@@ -250,16 +253,19 @@ def _vexp() -> int | None:
     return ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None
 
 
-def _unchecked_log_softmax(logits: torch.Tensor, out: torch.Tensor, lanes: int, k: int, elanes: int, threads: int
+def _unchecked_log_softmax(logits: torch.Tensor, out: torch.Tensor, lanes: int, k: int, elanes: int, threads: int,
+                           vexp: int | None = None
                            ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] | None:
     rows, vocab = logits.shape
     argmax = torch.empty(rows, dtype=torch.int64)
     vals = torch.empty(rows, max(k, 1), dtype=torch.float32)
     ids = torch.empty(rows, max(k, 1), dtype=torch.int64)
     entropy = torch.empty(rows, dtype=torch.float32)
-    scratch = torch.empty(max(threads, 1), vocab, dtype=torch.float32)  # one row a thread
+    # the record's p, one row a thread (none without a record)
+    scratch = torch.empty(max(threads, 1), vocab, dtype=torch.float32) if k else None
     rc = load().wb_log_softmax(logits.data_ptr(), rows, vocab, logits.stride(0), lanes, out.data_ptr(),
-                               argmax.data_ptr(), k, _vexp() if k else None, elanes, scratch.data_ptr(),
+                               argmax.data_ptr(), k, (vexp or _vexp()) if k else None, elanes,
+                               scratch.data_ptr() if scratch is not None else None,
                                vals.data_ptr(), ids.data_ptr(), entropy.data_ptr(), threads)
     if rc < 0:
         raise ValueError(f"wb_log_softmax: lanes {lanes}, k {k} or vocabulary {vocab} out of its range")

@@ -310,18 +310,19 @@ typedef void (*vexp_fn)(int n, const float *a, float *r);                       
  * one task per row: lp = torch.log_softmax(x) into out [rows, n] and the argmax of x (argmax [rows]);
  * with k > 0 also the record of the row's own distribution: p = exp(lp) by the exp torch.exp runs
  * (MKL's vsExp at `vexp`), its top-k as wb_topk, its entropy -(p * lp).sum() as wb_entropy sums it
- * (at `elanes`), with p in a per-thread row of `scratch` [threads, n] that stays in cache.
+ * (at `elanes`), with p in a per-thread row of `scratch` [threads, n] that stays in cache (NULL
+ * without a record).
  * Returns 0; 1 where a row holds a NaN or an infinite maximum (nothing is decided: run torch's
  * path for the batch); -1 for arguments out of range. */
 int wb_log_softmax(const float *x, int64_t rows, int64_t n, int64_t stride, int lanes, float *out, int64_t *argmax,
                    int64_t k, void *vexp, int elanes, float *scratch, float *vals, int64_t *ids, float *entropy,
                    int threads) {
     if ((lanes != 16 && lanes != 8) || n < lanes || n > 2147483647 || rows < 1) return -1;
-    if (k > 0 && (k > 256 || k * 64 > n || vexp == NULL || !lanes_ok(elanes))) return -1;
+    if (k > 0 && (k > 256 || k * 64 > n || vexp == NULL || scratch == NULL || !lanes_ok(elanes))) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(threads > 0 ? threads : 1) if (rows > 1)
     {
-        float *e = scratch + (ptrdiff_t)omp_get_thread_num() * n;
+        float *e = k > 0 ? scratch + (ptrdiff_t)omp_get_thread_num() * n : NULL;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             float *lp = out + r * n;
