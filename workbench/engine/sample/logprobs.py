@@ -41,14 +41,15 @@ def token_logprobs(lp: torch.Tensor, chosen: torch.Tensor, top_k: int,
     float steps, each monotone, so no logprob can be above the argmax's (NaN compares false)."""
     rows = lp.shape[0]
     picked = lp.gather(1, chosen.view(-1, 1).to(lp.device))[:, 0]  # [R]
-    if len(argmax_rows) == rows:
-        ranks = torch.ones(rows, dtype=torch.int64)
-    elif argmax_rows:
-        ranks = torch.ones(rows, dtype=torch.int64)
-        others = torch.tensor(sorted(set(range(rows)) - set(argmax_rows)), dtype=torch.int64)
-        ranks[others] = _ranks(lp[others.to(lp.device)], picked[others.to(lp.device)]).cpu()
-    else:
+    known = set(argmax_rows)
+    others = [r for r in range(rows) if r not in known]
+    if len(others) == rows:
         ranks = _ranks(lp, picked)
+    else:
+        ranks = torch.ones(rows, dtype=torch.int64)
+        if others:
+            index = torch.tensor(others, dtype=torch.int64, device=lp.device)
+            ranks[others] = _ranks(lp[index], picked[index]).cpu()
     tops: list[list[tuple[int, float]]] = [[] for _ in range(rows)]
     if top_k > 0:
         vals, ids = lp.topk(min(top_k, lp.shape[-1]), dim=-1)
