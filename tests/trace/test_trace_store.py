@@ -300,6 +300,20 @@ def test_unchanged_sampling_stages_are_stored_once_and_read_back_whole(tmp_path:
     assert list(open_trace(path).events(kind="sampling")) == [event]
 
 
+def test_a_stage_made_from_the_one_before_is_named_only_and_one_moved_is_stored_whole(tmp_path: Path) -> None:
+    logits = {"name": "logits", "top_ids": [5, 7], "top_probs": [0.6, 0.3], "kept_mass": 1.0, "kept_count": 40,
+              "entropy": 1.1, "applied": True}
+    repeat = ev.RepeatedStage.of(logits, "penalties")  # how the sampler records a stage that changed nothing
+    moved = ev.RepeatedStage.of({**logits, "entropy": 2.0}, "top_k")  # its source is not the stage before it
+    event = ev.SamplingStages(step=1, req_id="r", t=1.0, position=0, stages=[logits, repeat, moved], chosen=5)
+    path = tmp_path / "s.wbtrace"
+    with TraceWriter(path) as w:
+        w.write(event)
+    stored = sqlite3.connect(path).execute("SELECT payload FROM events").fetchone()[0]
+    assert stored.count('"repeat":true') == 1 and '"entropy":2.0' in stored
+    assert list(open_trace(path).events(kind="sampling")) == [event]
+
+
 def test_a_repeat_with_nothing_before_it_is_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / "bad.wbtrace"
     with TraceWriter(path) as w:

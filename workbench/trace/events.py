@@ -173,6 +173,25 @@ class Logits(Event):
     tensor: str | None = None
 
 
+class RepeatedStage(dict):
+    """A stage record made from the record before it by `of` (a stage that changed no row):
+    `SamplingStages.payload` knows it by its `source` without comparing the two (a fifth of a
+    traced batch step's writing). Otherwise a plain dict."""
+
+    __slots__ = ("source",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.source: dict[str, Any] | None = None
+
+    @classmethod
+    def of(cls, source: dict[str, Any], name: str) -> RepeatedStage:
+        """`{**source, "name": name, "kept_mass": 1.0, "applied": False}`, knowing its source."""
+        out = cls(source, name=name, kept_mass=1.0, applied=False)
+        out.source = source
+        return out
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingStages(Event):
     """The distribution after every sampling stage for one request: top-k probs, kept mass, chosen token and draw."""
@@ -192,8 +211,9 @@ class SamplingStages(Event):
         out = Event.payload(self)
         stages, prev = [], None
         for s in self.stages:
-            if prev is not None and s.get("applied") is False and s.get("kept_mass") == 1.0 and \
-                    s == {**prev, "name": s.get("name"), "kept_mass": 1.0, "applied": False}:
+            if prev is not None and ((type(s) is RepeatedStage and s.source is prev) or (
+                    s.get("applied") is False and s.get("kept_mass") == 1.0
+                    and s == {**prev, "name": s.get("name"), "kept_mass": 1.0, "applied": False})):
                 stages.append({"name": s["name"], "applied": False, "repeat": True})
             else:
                 stages.append(s)

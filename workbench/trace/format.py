@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import enum
+import itertools
 import json
 import os
 import sqlite3
@@ -107,8 +108,9 @@ def json_dumps(value: Any) -> str:
         except (TypeError, ValueError):  # orjson.JSONEncodeError is a TypeError; big ints, surrogates
             pass
         else:
-            try:
-                plain = text.count(b"null") == _nulls(value)
+            nulls = text.count(b"null")
+            try:  # no null at all (most events hold some None) needs no count of the Nones
+                plain = nulls == 0 or nulls == _nulls(value)
             except ValueError:  # a numpy array compared with None inside a list
                 plain = False
             if plain:
@@ -116,10 +118,14 @@ def json_dumps(value: Any) -> str:
     return _ENCODER.encode(value)
 
 
+_NONES = itertools.repeat(None)
+
+
 def _nulls(value: Any) -> int:
     """How many None values `value` holds, counted through dicts and through lists and tuples that
-    start with a dict, list or tuple (the rest are counted at their own level only). It may count
-    fewer than there are (a container after a scalar in one list; a dataclass's fields), never more
+    start with a dict or tuple; the rows of a list that starts with a list, and every other list,
+    are counted at their own level only. It may count fewer than there are (a container after a
+    scalar in one list, a list inside a row of rows, a dataclass's fields), never more
     for the plain values events hold: a short count only sends `json_dumps` the standard library's way."""
     if value is None:
         return 1
@@ -137,7 +143,12 @@ def _nulls(value: Any) -> int:
         if not value:
             return 0
         kind = type(value[0])
-        if kind is dict or kind is list or kind is tuple:
+        if kind is list:  # rows of scalars ([id, logprob, text]): each row's Nones counted in C
+            try:
+                return sum(map(list.count, value, _NONES))
+            except TypeError:  # a row that is not a list
+                return sum(map(_nulls, value))
+        if kind is dict or kind is tuple:
             return sum(map(_nulls, value))
         return value.count(None)
     return 0
@@ -217,6 +228,9 @@ def events_sql(columns: str, kind: str | Sequence[str] | None, req_id: str | Non
     return sql, params
 
 
+_SUMMARY_KINDS = frozenset(("schedule", "forward_batch", "forward", "kv", "token", "spec.verify"))
+
+
 @dataclass(slots=True)
 class StepSummary:
     """The running summary of one step, folded from its events (a row of the `steps` table)."""
@@ -242,10 +256,17 @@ class StepSummary:
     def add(self, event_id: int, kind: str, t: float, p: dict[str, Any], req_id: str | None = None) -> None:
         """Fold one event (its kind, time, payload dict and request) into the summary."""
         self.num_events += 1
-        self.first_id = event_id if self.first_id is None else min(self.first_id, event_id)
-        self.last_id = event_id if self.last_id is None else max(self.last_id, event_id)
-        self.t_start = t if self.t_start is None else min(self.t_start, t)
-        self.t_end = t if self.t_end is None else max(self.t_end, t)
+        # comparisons rather than min/max calls: a trace writer folds every event it writes
+        if self.first_id is None or event_id < self.first_id:
+            self.first_id = event_id
+        if self.last_id is None or event_id > self.last_id:
+            self.last_id = event_id
+        if self.t_start is None or t < self.t_start:
+            self.t_start = t
+        if self.t_end is None or t > self.t_end:
+            self.t_end = t
+        if kind not in _SUMMARY_KINDS:
+            return
         if kind == "schedule":
             self.mode = p.get("mode", self.mode)
             self.num_tokens = max(self.num_tokens, int(p.get("tokens_scheduled") or 0))

@@ -40,6 +40,7 @@ from workbench.engine.sample import logprobs as lp_mod
 from workbench.engine.sample.argmax import first_argmax
 from workbench.engine.sample.penalties import LogitBias, PenaltyTensors, TokenBan
 from workbench.engine.sched.request import Req
+from workbench.trace.events import RepeatedStage
 
 STAGES = ("penalties", "logit_bias", "grammar", "temperature", "top_k", "top_p", "min_p")
 NEG_INF = float("-inf")
@@ -285,7 +286,7 @@ class StageRecorder:
         applied = self.info.applied(stage)
         if not any(applied):  # the distribution is unchanged: repeat the previous record, all mass kept
             for row in self.rows:
-                row.append({**row[-1], "name": stage, "kept_mass": 1.0, "applied": False})
+                row.append(RepeatedStage.of(row[-1], stage))
             return
         probs = torch.softmax(x, dim=-1)
         self._add(stage, probs, self.prev, applied, kept=torch.isfinite(x))
