@@ -14,6 +14,7 @@ Does not own: loading MKL (native.py) or keeping verdicts (book.py).
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -45,6 +46,12 @@ RACE_RING_BYTES = 64 << 20
 # than the L3) so the weight comes from memory; timed cache-hot, a kernel that wins on a hot weight
 # can lose the real step
 RACE_EVICT_BYTES = 64 << 20
+# A race timed while other processes took more than this share of the machine's CPU (a compiler, a
+# peer engine starting) holds in this process only: a later load does not trust it from disk and
+# races again. One such race, on an AVX2-only EPYC while llama.cpp compiled, kept F.linear for
+# 576x576 at one row (0.111 against rowdot's 0.128 ms; quiet, rowdot takes 0.066 against 0.099) and
+# so kept every later process off the one-C-call decode step.
+RACE_BUSY_SHARE = 0.25
 NAMES = {PACKED: "linear.packed", SPLIT: "linear.split", ROWDOT: "linear.rowdot", BLOCKED: "linear.blocked"}
 # The summation orders the one-row kernel can take (c/linear_rowdot.c), as (P, L, fma): the first P
 # products one by one (P = -1: up to the weight row's next 16-byte boundary, 4 on an aligned row),
@@ -151,7 +158,8 @@ def fastest(book: Book, packed: PackedLinear, rows: int, kinds: tuple[str, ...])
     entrants = (*kinds, LINEAR)
     verdict = book.decide("linear.route", (*_key(packed, rows), "+".join(entrants)),
                           lambda: _race(packed, rows, entrants),
-                          valid=lambda v: v.facts.get("winner") in entrants and isinstance(v.facts.get("ms"), dict))
+                          valid=lambda v: v.facts.get("winner") in entrants and isinstance(v.facts.get("ms"), dict)
+                          and _quiet_race(v))
     return verdict.facts["winner"]
 
 
@@ -162,6 +170,7 @@ def _race(packed: PackedLinear, rows: int, entrants: tuple[str, ...]) -> Verdict
     run = {SPLIT: packed.split_compute, PACKED: packed.compute, ROWDOT: packed.rowdot_compute,
            BLOCKED: packed.blocked_compute, LINEAR: lambda x, weight=weight: F.linear(x, weight, bias)}
     best = dict.fromkeys(entrants, float("inf"))
+    start = _cpu_mark()
     with torch.inference_mode():
         for kind in entrants:  # not counted: first-call costs (the packing itself) are not the kernel's speed
             _time(kind, run[kind], x)
@@ -181,7 +190,38 @@ def _race(packed: PackedLinear, rows: int, entrants: tuple[str, ...]) -> Verdict
                     best[kind] = min(best[kind], _time(kind, run[kind], x))
     winner = min(entrants, key=best.__getitem__)
     ms = {k: round(t * 1e3, 4) for k, t in best.items()}
-    return Verdict(winner != LINEAR, f"{winner} ran fastest", {"winner": winner, "ms": ms})
+    others = _others_share(start)
+    facts = {"winner": winner, "ms": ms, **({"others_cpu": round(others, 3)} if others is not None else {})}
+    return Verdict(winner != LINEAR, f"{winner} ran fastest", facts)
+
+
+def _cpu_mark() -> tuple[float, float, float] | None:
+    """(wall, this process's CPU seconds, every process's busy CPU seconds) now; None where
+    /proc/stat cannot be read. A VM's steal time is not counted: a VM that always has it would
+    otherwise never keep a race."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+        user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[1:8])
+    except (OSError, ValueError):
+        return None
+    busy = (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+    return time.perf_counter(), time.process_time(), busy
+
+
+def _others_share(start: tuple[float, float, float] | None) -> float | None:
+    """The share of the machine's CPU that other processes took since `start` (`_cpu_mark()`)."""
+    end = _cpu_mark()
+    if start is None or end is None:
+        return None
+    wall = (end[0] - start[0]) * (os.cpu_count() or 1)
+    return max(0.0, (end[2] - start[2]) - (end[1] - start[1])) / wall if wall > 0 else None
+
+
+def _quiet_race(verdict: Verdict) -> bool:
+    """Whether a race kept on disk was timed on a quiet machine (else it is run again)."""
+    others = verdict.facts.get("others_cpu", 0.0)
+    return isinstance(others, (int, float)) and others <= RACE_BUSY_SHARE
 
 
 def _nbytes(t: torch.Tensor) -> int:
