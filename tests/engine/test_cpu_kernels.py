@@ -469,7 +469,7 @@ def test_the_race_runs_the_fastest_it_timed_and_a_second_load_reuses_it(tmp_path
     # The real race on this CPU: whichever entrant won is the one with the best time, it is what
     # computes those rows, and the next process takes the verdict from the file without timing
     # (a race beside busy processes is raced again: the next test; here the machine counts as quiet).
-    monkeypatch.setattr(gemm, "_others_share", lambda start: 0.0)
+    monkeypatch.setattr(gemm, "_waited_share", lambda start: 0.0)
     split_calls, packed_calls = _count_calls(monkeypatch, "split_compute"), _count_calls(monkeypatch)
     torch_threads(2)
     checks = Book(Store(tmp_path))
@@ -502,24 +502,28 @@ def test_the_race_runs_the_fastest_it_timed_and_a_second_load_reuses_it(tmp_path
 
 
 def test_a_race_timed_beside_busy_processes_is_raced_again_by_the_next_load(tmp_path, monkeypatch, torch_threads):
-    # What other processes took of the CPU is measured, not assumed: busy loops on every core show.
+    # How long the race's threads waited for a CPU is measured, not assumed: busy loops on every
+    # core make two threads computing wait
+    torch_threads(2)
+    a = torch.randn(384, 384)
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
     try:
-        start = gemm._cpu_mark()
-        time.sleep(0.5)
-        share = gemm._others_share(start)
+        time.sleep(0.2)
+        start, until = gemm._cpu_mark(), time.perf_counter() + 0.5
+        while time.perf_counter() < until:
+            a = torch.tanh(a @ a)
+        share = gemm._waited_share(start)
     finally:
         for proc in busy:
             proc.kill()
             proc.wait()
-    if start is not None:  # a machine with /proc/stat
+    if start is not None:  # a machine with /proc/self/task/*/schedstat
         assert share > gemm.RACE_BUSY_SHARE
-    torch_threads(2)
     timed = _fixed_race(monkeypatch, {gemm.SPLIT: 1.0, gemm.PACKED: 2.0, gemm.LINEAR: 3.0})
-    monkeypatch.setattr(gemm, "_others_share", lambda start: 0.6)  # a compiler took 60% of the CPU meanwhile
+    monkeypatch.setattr(gemm, "_waited_share", lambda start: 0.6)  # a compiler held the CPUs meanwhile
     gemm.pack_linears(_linear_stack(9), book=Book(Store(tmp_path)))
     first = len(timed)
-    monkeypatch.setattr(gemm, "_others_share", lambda start: 0.0)
+    monkeypatch.setattr(gemm, "_waited_share", lambda start: 0.0)
     gemm.pack_linears(_linear_stack(9), book=Book(Store(tmp_path)))
     assert first > 0 and len(timed) == 2 * first  # the file's races were not trusted: timed again, quietly
     gemm.pack_linears(_linear_stack(9), book=Book(Store(tmp_path)))

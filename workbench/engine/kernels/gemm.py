@@ -46,8 +46,8 @@ RACE_RING_BYTES = 64 << 20
 # than the L3) so the weight comes from memory; timed cache-hot, a kernel that wins on a hot weight
 # can lose the real step
 RACE_EVICT_BYTES = 64 << 20
-# A race timed while other processes took more than this share of the machine's CPU (a compiler, a
-# peer engine starting) holds in this process only: a later load does not trust it from disk and
+# A race whose threads spent more than this share of their time waiting for a CPU that other
+# processes held (a compiler, a peer engine starting) holds in this process only: a later load does not trust it from disk and
 # races again. One such race, on an AVX2-only EPYC while llama.cpp compiled, kept F.linear for
 # 576x576 at one row (0.111 against rowdot's 0.128 ms; quiet, rowdot takes 0.066 against 0.099) and
 # so kept every later process off the one-C-call decode step.
@@ -190,38 +190,42 @@ def _race(packed: PackedLinear, rows: int, entrants: tuple[str, ...]) -> Verdict
                     best[kind] = min(best[kind], _time(kind, run[kind], x))
     winner = min(entrants, key=best.__getitem__)
     ms = {k: round(t * 1e3, 4) for k, t in best.items()}
-    others = _others_share(start)
-    facts = {"winner": winner, "ms": ms, **({"others_cpu": round(others, 3)} if others is not None else {})}
+    waited = _waited_share(start)
+    facts = {"winner": winner, "ms": ms, **({"waited": round(waited, 3)} if waited is not None else {})}
     return Verdict(winner != LINEAR, f"{winner} ran fastest", facts)
 
 
-def _cpu_mark() -> tuple[float, float, float] | None:
-    """(wall, this process's CPU seconds, every process's busy CPU seconds) now; None where
-    /proc/stat cannot be read. A VM's steal time is not counted: a VM that always has it would
-    otherwise never keep a race."""
+def _cpu_mark() -> tuple[float, float] | None:
+    """(wall, the seconds this process's threads have spent runnable but waiting for a CPU) now, from
+    /proc/self/task/*/schedstat (nanoseconds); None where it cannot be read."""
     try:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = f.readline().split()
-        user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[1:8])
-    except (OSError, ValueError):
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
         return None
-    busy = (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-    return time.perf_counter(), time.process_time(), busy
+    waited = 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as f:
+                waited += int(f.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return time.perf_counter(), waited / 1e9
 
 
-def _others_share(start: tuple[float, float, float] | None) -> float | None:
-    """The share of the machine's CPU that other processes took since `start` (`_cpu_mark()`)."""
+def _waited_share(start: tuple[float, float] | None) -> float | None:
+    """The share of the race's threads' time since `start` (`_cpu_mark()`) that they waited for a CPU
+    other processes held."""
     end = _cpu_mark()
     if start is None or end is None:
         return None
-    wall = (end[0] - start[0]) * (os.cpu_count() or 1)
-    return max(0.0, (end[2] - start[2]) - (end[1] - start[1])) / wall if wall > 0 else None
+    wall = (end[0] - start[0]) * max(1, torch.get_num_threads())
+    return max(0.0, end[1] - start[1]) / wall if wall > 0 else None
 
 
 def _quiet_race(verdict: Verdict) -> bool:
     """Whether a race kept on disk was timed on a quiet machine (else it is run again)."""
-    others = verdict.facts.get("others_cpu", 0.0)
-    return isinstance(others, (int, float)) and others <= RACE_BUSY_SHARE
+    waited = verdict.facts.get("waited", 0.0)
+    return isinstance(waited, (int, float)) and waited <= RACE_BUSY_SHARE
 
 
 def _nbytes(t: torch.Tensor) -> int:
