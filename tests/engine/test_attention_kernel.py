@@ -47,6 +47,23 @@ def test_kernel_matches_gather_plus_sdpa(heads, kv_heads, head_dim):
 
 
 @pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+def test_a_nan_in_one_request_stays_in_that_request_as_in_sdpa():
+    """The kernel's vector exp must not turn a NaN score into a number (a clamp would), and a
+    request's NaN must not reach the other rows of the batch."""
+    gen = torch.Generator().manual_seed(5)
+    k_pool, v_pool = torch.randn(300, 3, 64, generator=gen), torch.randn(300, 3, 64, generator=gen)
+    lens = torch.tensor([45, 45, 13])
+    idx = torch.randint(0, 300, (3, 45), generator=gen) * (torch.arange(45)[None] < lens[:, None])
+    q = torch.randn(3, 9, 64, generator=gen)
+    q[1, 4, 7] = float("nan")
+    out = torch.zeros(3, 9, 64)
+    assert decode_attention.decode_attention(q, k_pool, v_pool, idx, lens, out, 0.125)
+    want = _reference(q, k_pool, v_pool, idx, lens, 0.125)
+    assert torch.equal(out.isnan(), want.isnan()) and out[1, 4].isnan().all() and not out[1, 3].isnan().any()
+    torch.testing.assert_close(out[[0, 2]], want[[0, 2]], atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
 def test_kernel_refuses_slots_outside_the_pool_instead_of_reading_them():
     pool = torch.randn(10, 2, 8)
     q, out = torch.randn(2, 4, 8), torch.zeros(2, 4, 8)
