@@ -209,8 +209,7 @@ def test_check_refuses_a_hostile_trace_by_its_limit(name: str, crafted: Callable
                                   "a 3 MB prompt", "a 3 MB token text", "300,000 steps"])
 async def test_the_tui_keeps_running_and_names_the_limit(name: str, crafted: Callable[[str], Path],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from textual.worker import WorkerState
-
+    from tests.helpers.tui_pilot import settle
     from tui.app import WorkbenchApp
 
     for var, value in LIMITS_ENV.items():
@@ -224,12 +223,7 @@ async def test_the_tui_keeps_running_and_names_the_limit(name: str, crafted: Cal
             # each selection's rows load in a worker, and the next key cancels a load that has not
             # started: wait for it as a user reading the step would (beside a full run on a 2-core VM
             # the keys once outran the load of the hostile step, which then never ran)
-            for _ in range(600):
-                await pilot.pause(0.05)
-                if not any(w.group in ("open", "load") and w.state in (WorkerState.PENDING, WorkerState.RUNNING)
-                           for w in app.workers):
-                    break
-            await pilot.pause(0.05)
+            await settle(pilot, timeout=30.0)
             seen.append(str(app.screen_stack[0].query_one("#status").render()))
         screen_text = app.export_screenshot()
         assert app.is_running

@@ -83,9 +83,6 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-#endif
-
-#if WB_VEC
 /* The four sums of a[0..3] (each 8 lanes) in one 4-lane vector. */
 static inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
