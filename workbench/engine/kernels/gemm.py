@@ -33,19 +33,15 @@ LINEAR = "F.linear"  # the op they replace, which the race also enters
 PACKED_MIN_ROWS, PACKED_MAX_ROWS, SPLIT_MAX_ROWS = 16, 256, 64
 LOAD_TIME_ROWS = (1, 16, 32)  # decode batch sizes checked before the first request (the rest on first use)
 RACE_REPEATS = 3  # timed rounds per entrant (after one untimed call), the best one counts
-# Below PACKED_MIN_ROWS the GEMM only streams its weight, and what a decode step sees is that weight
-# read among the model's others: the race sweeps each entrant over a ring of copies of the weight as
-# long as the model's linear weights or this many bytes (twice the L3 of these machines), whichever
-# is less, so each call's weight was last read a ring ago, as in a step. One call on one weight
-# right after an eviction is dominated by its first misses (192x576 at one row: 50-80 us for the C
-# kernel and for F.linear alike, against 35 and 49 us a call in the sweep), which made the race
-# pick F.linear where it is the slower one in the step.
+# What a decode step sees is each weight read among the model's others: the race sweeps each
+# entrant over a ring of copies of the weight as long as the model's linear weights or this many
+# bytes (twice the L3 of these machines), whichever is less, so each call's weight was last read a
+# ring ago, as in a step (the packed entrant over packed copies). One call on one weight right
+# after an eviction is dominated by its first misses: at one row (192x576: 50-80 us for the C kernel
+# and for F.linear alike, against 35 and 49 us a call in the sweep) that made the race pick F.linear
+# where it is the slower one in the step; at 32 rows on the AVX2-only EPYC it kept F.linear for
+# q/k/v/o/down, 0.37 ms a call in the model's sweep against the blocked kernel's 0.25.
 RACE_RING_BYTES = 64 << 20
-# From PACKED_MIN_ROWS rows the GEMM is closer to compute bound and the packed entrant has its own
-# weight: one call per round on the layer's weight, with this many bytes written before it (more
-# than the L3) so the weight comes from memory; timed cache-hot, a kernel that wins on a hot weight
-# can lose the real step
-RACE_EVICT_BYTES = 64 << 20
 # A race whose threads spent more than this share of their time waiting for a CPU that other
 # processes held (a compiler, a peer engine starting) holds in this process only: a later load does not trust it from disk and
 # races again. One such race, on an AVX2-only EPYC while llama.cpp compiled, kept F.linear for
@@ -174,20 +170,17 @@ def _race(packed: PackedLinear, rows: int, entrants: tuple[str, ...]) -> Verdict
     with torch.inference_mode():
         for kind in entrants:  # not counted: first-call costs (the packing itself) are not the kernel's speed
             _time(kind, run[kind], x)
-        if rows < PACKED_MIN_ROWS:  # a sweep over a ring of copies, as a decode step streams the weights
-            ring_bytes = min(RACE_RING_BYTES, packed.model_bytes or RACE_RING_BYTES)
-            ring = [weight, *(weight.clone() for _ in range(-(-ring_bytes // _nbytes(weight)) - 1))]
-            sweeps = {kind: lambda x, fn=run[kind]: [fn(x, weight=w) for w in ring] for kind in entrants}
-            for _ in range(RACE_REPEATS):
-                for kind in entrants:
-                    best[kind] = min(best[kind], _time(kind, sweeps[kind], x) / len(ring))
-            del ring, sweeps
-        else:
-            evict = torch.empty(RACE_EVICT_BYTES // 4)
-            for _ in range(RACE_REPEATS):
-                for kind in entrants:
-                    evict.fill_(1.0)
-                    best[kind] = min(best[kind], _time(kind, run[kind], x))
+        # a sweep over a ring of copies, as a decode step streams the weights
+        ring_bytes = min(RACE_RING_BYTES, packed.model_bytes or RACE_RING_BYTES)
+        ring = [weight, *(weight.clone() for _ in range(-(-ring_bytes // _nbytes(weight)) - 1))]
+        packs = [packed._pack(), *map(packed.pack, ring[1:])] if PACKED in entrants else []
+        sweeps = {kind: lambda x, fn=run[kind]: [fn(x, weight=w) for w in ring] for kind in entrants}
+        if packs:
+            sweeps[PACKED] = lambda x: [packed.compute(x, packed=p) for p in packs]
+        for _ in range(RACE_REPEATS):
+            for kind in entrants:
+                best[kind] = min(best[kind], _time(kind, sweeps[kind], x) / len(ring))
+        del ring, packs, sweeps
     winner = min(entrants, key=best.__getitem__)
     ms = {k: round(t * 1e3, 4) for k, t in best.items()}
     waited = _waited_share(start)
@@ -287,22 +280,27 @@ class PackedLinear:
     def _pack(self) -> torch.Tensor:
         with lock:
             if self.packed is None:
-                packed = torch.empty(self.nbytes, dtype=torch.uint8)
-                weight = self._module().weight.detach()
-                self.lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 64, self.out_features, self.in_features,
-                                          1.0, weight.data_ptr(), self.in_features, packed.data_ptr())
-                self.packed = packed
+                self.packed = self.pack(self._module().weight.detach())
             return self.packed
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """MKL's packed copy of `weight` (this layer's shape), for `compute(packed=)`."""
+        packed = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 64, self.out_features, self.in_features,
+                                  1.0, weight.data_ptr(), self.in_features, packed.data_ptr())
+        return packed
 
     @property
     def module(self) -> torch.nn.Linear:
         return self._module()
 
-    def compute(self, x2: torch.Tensor) -> torch.Tensor:
-        """`x2 [rows, in] -> [rows, out]` through the packed weight, unchecked (`linear_ok` checks it)."""
+    def compute(self, x2: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+        """`x2 [rows, in] -> [rows, out]` through the packed weight, unchecked (`linear_ok` checks it);
+        `packed`: another packed weight of the same shape instead (the race's copies)."""
         rows = x2.shape[0]
         x2 = x2.contiguous()
-        packed = self.packed if self.packed is not None else self._pack()
+        if packed is None:
+            packed = self.packed if self.packed is not None else self._pack()
         bias = self._module().bias
         # with a bias, C starts as the bias and the GEMM adds into it (beta = 1), as F.linear's addmm does
         y = torch.empty((rows, self.out_features), dtype=torch.float32) if bias is None else \
