@@ -174,9 +174,9 @@ def _race(packed: PackedLinear, rows: int, entrants: tuple[str, ...]) -> Verdict
         ring_bytes = min(RACE_RING_BYTES, packed.model_bytes or RACE_RING_BYTES)
         ring = [weight, *(weight.clone() for _ in range(-(-ring_bytes // _nbytes(weight)) - 1))]
         packs = [packed._pack(), *map(packed.pack, ring[1:])] if PACKED in entrants else []
-        sweeps = {kind: lambda x, fn=run[kind]: [fn(x, weight=w) for w in ring] for kind in entrants}
+        sweeps = {kind: lambda x, fn=run[kind], ring=ring: [fn(x, weight=w) for w in ring] for kind in entrants}
         if packs:
-            sweeps[PACKED] = lambda x: [packed.compute(x, packed=p) for p in packs]
+            sweeps[PACKED] = lambda x, packs=packs: [packed.compute(x, packed=p) for p in packs]
         for _ in range(RACE_REPEATS):
             for kind in entrants:
                 best[kind] = min(best[kind], _time(kind, sweeps[kind], x) / len(ring))
