@@ -23,6 +23,8 @@ says which and why, and the Python path runs.
 from __future__ import annotations
 
 import ctypes
+import itertools
+import operator
 import threading
 import weakref
 from collections.abc import Callable
@@ -147,14 +149,35 @@ class DecodeLayers:
         return Verdict(False, f"Python path: {plan[2]}", {}) if plan[1] is None else check()
 
 
+class _Watched:
+    """What `_current` compares, as flat lists the comparisons map over in C: each watched module's
+    `__dict__` and the `forward` it held, each parameter's dict, name, tensor (or None) and, for the
+    tensors, their addresses, and each projection's route dict and the key of its one-row route."""
+
+    def __init__(self, seen: tuple[list, list, list]) -> None:
+        forwards, params, routes = seen
+        self.dicts, self.forwards = [d for d, _ in forwards], [f for _, f in forwards]
+        self.param_dicts, self.names, self.tensors = [p for p, *_ in params], [n for _, n, *_ in params], \
+            [t for _, _, t, _ in params]
+        self.live = [t for t in self.tensors if t is not None]
+        self.ptrs = [ptr for _, _, t, ptr in params if t is not None]
+        self.route_dicts, self.route_keys = [r for r, _ in routes], [k for _, k in routes]
+
+
+_FORWARD = itertools.repeat("forward")
+_data_ptr = torch.Tensor.data_ptr
+
+
 def _current(plan: tuple) -> bool:
     """Is every tensor and forward the plan looked at still the one it found, at the same address,
     and (where the plan binds them) every projection still routed to the one-row kernel? Asked
-    every step: flat lists, no attribute lookups in the loops."""
-    forwards, params, routes = plan[4]
-    return all(d.get("forward") is f for d, f in forwards) \
-        and all(p.get(n) is t and (t is None or t.data_ptr() == ptr) for p, n, t, ptr in params) \
-        and (plan[1] is None or all(r.get(k) == "rowdot" for r, k in routes))
+    every step (~1,000 comparisons for a 30-layer model): maps over flat lists, 0.19 ms a step as
+    Python loops."""
+    w: _Watched = plan[4]
+    return all(map(operator.is_, map(dict.get, w.dicts, _FORWARD), w.forwards)) \
+        and all(map(operator.is_, map(dict.get, w.param_dicts, w.names), w.tensors)) \
+        and list(map(_data_ptr, w.live)) == w.ptrs \
+        and (plan[1] is None or list(map(dict.get, w.route_dicts, w.route_keys)).count("rowdot") == len(w.route_keys))
 
 
 def _make(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, key: tuple) -> tuple:
@@ -168,7 +191,7 @@ def _make(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, k
     seen: tuple[list, list, list] = ([], [], [])  # (module dict, forward), (params, name, tensor, ptr), (routes, key)
 
     def refused(why: str) -> tuple:
-        return key, None, why, None, seen, weakref.ref(kv)
+        return key, None, why, None, _Watched(seen), weakref.ref(kv)
 
     lib = native.load()
     if lib is None or ops is None or not layers or kv.k[0].dtype != torch.float32 or kv.k[0].device.type != "cpu":
@@ -237,4 +260,4 @@ def _make(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, k
                zip(_SCRATCH, (hidden, heads * d, kv_heads * d, kv_heads * d, heads * d, kv_heads * d, heads * d, hidden,
                               inter, inter, inter))}
     shape = _Shape(hidden, heads, kv_heads, d, inter, flash, threads, *[t.data_ptr() for t in scratch.values()])
-    return key, structs, shape, scratch, seen, weakref.ref(kv)
+    return key, structs, shape, scratch, _Watched(seen), weakref.ref(kv)
