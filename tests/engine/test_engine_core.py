@@ -9,7 +9,7 @@ import torch
 
 from workbench.engine.engine import Engine, StepFailed
 from workbench.engine.sample.sampling_params import SamplingParams
-from workbench.engine.sched.memory import TokenToKVPoolAllocator
+from workbench.engine.sched.memory import KVPool, TokenToKVPoolAllocator
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):", "Roses are red,",
            "The quick brown fox", "In 1969, the first"]
@@ -43,6 +43,28 @@ def test_freed_slots_go_to_the_back_and_restart_from_slot_1_once_all_are_free(or
     # again; "fifo" goes on through the queue (the order of traces from before "restart")
     assert alloc.available_size() == 8
     assert alloc.allocate(4).tolist() == ([1, 2, 3, 4] if order == "restart" else [5, 1, 2, 3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_write_stores_what_index_copy_stores_and_refuses_a_slot_outside_the_pool(dtype):
+    # The write copies rows in C where the sources are contiguous; the attention passes views of
+    # the rotated keys, a transposed source takes index_copy_, and either way the pool holds the
+    # same bytes. A slot past the end is index_copy_'s IndexError.
+    pool, want = KVPool(2, 40, 3, 8, dtype, "cpu"), KVPool(2, 40, 3, 8, dtype, "cpu")
+    for t in (*pool.k, *pool.v, *want.k, *want.v):
+        t[1:].fill_(float("nan"))
+    rotated = torch.randn(1, 5, 24).to(dtype).view(1, 5, 3, 8).transpose(1, 2)  # [1, KVH, T, D], as attention gets it
+    sources = [(rotated[0].transpose(0, 1), torch.randn(5, 3, 8).to(dtype)),
+               (torch.randn(5, 8, 3).to(dtype).transpose(1, 2), torch.randn(5, 3, 8).to(dtype))]  # not contiguous
+    for layer, (k, v) in enumerate(sources):
+        loc = torch.tensor([7, 40, 2, 19, 33])
+        pool.write(layer, loc, k, v)
+        want.k[layer].index_copy_(0, loc, k)
+        want.v[layer].index_copy_(0, loc, v)
+    for got, exp in zip((*pool.k, *pool.v), (*want.k, *want.v), strict=True):
+        assert torch.equal(got.float().nan_to_num(9.0), exp.float().nan_to_num(9.0))
+    with pytest.raises(IndexError, match="out of bounds"):
+        pool.write(0, torch.tensor([3, 41]), torch.randn(2, 3, 8).to(dtype), torch.randn(2, 3, 8).to(dtype))
 
 
 def test_a_bad_kv_slot_order_names_the_parameter_and_the_choices(tiny):
