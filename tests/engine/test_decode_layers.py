@@ -1,6 +1,7 @@
-"""Every layer of a one-row decode step in one C call (kernels/decode_layers.py): the same tokens,
-logprobs and alternatives as the direct forward's Python path, step for step; a step it must not
-take (a hook, a batch) runs the Python path; a weight replaced after load is read, not a stale one."""
+"""Every layer of a decode step in one C call (kernels/decode_layers.py), at one row and at several:
+the same tokens, logprobs and alternatives as the direct forward's Python path, step for step; a
+step it must not take (a hook, a prefill) runs the Python path; a weight replaced after load is
+read, not a stale one."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ PROMPT = "The lighthouse keeper counted the ships"
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=4)
 
 
-def _generate(loaded, prompts=(PROMPT,), params=GREEDY) -> tuple[list, dict]:
+def _generate(loaded, prompts=(PROMPT,), params=GREEDY, name=decode_layers.NAME) -> tuple[list, dict]:
     with Engine(loaded, trace_level="off") as engine:
         outs = engine.generate(list(prompts), params)
-        report = engine.runner.kernel_report()["checks"]["replacements"][decode_layers.NAME]
+        report = engine.runner.kernel_report()["checks"]["replacements"][name]
     return [(o.token_ids, [(t.logprob, t.top_logprobs) for t in o.logprobs or ()]) for o in outs], report
 
 
@@ -44,20 +45,43 @@ def test_one_c_call_for_all_layers_gives_the_python_paths_tokens_and_logprobs(sm
     assert fast == slow
 
 
-def test_a_hook_or_a_batch_runs_the_python_path(smollm2):
+BATCH = (PROMPT, "Water boils at", "def fibonacci(n):", "The three primary colours are", "Once upon a time, in a",
+         "Translate to French: good morning", "1, 2, 3, 5, 8,", "The capital of Australia is not Sydney but")
+
+
+def test_several_decode_rows_in_one_c_call_give_the_python_paths_tokens_and_logprobs(smollm2, monkeypatch):
+    # Eight requests of different lengths: every decode step is eight rows over different KV
+    # lengths, which the rows' call takes where each projection runs the blocked kernel at 8 rows.
     fused = exact_forward._decode_layers(smollm2.model)
-    _generate(smollm2, params=SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))  # decided
+    before = fused.calls
+    fast, report = _generate(smollm2, BATCH, name=decode_layers.NAME_ROWS)
+    calls = fused.calls - before
+    verdicts = report["verdicts"]
+    assert len(verdicts) == 1, verdicts
+    if not verdicts[0]["ok"]:  # a CPU where one of its kernels or routes was refused: the Python path ran
+        assert verdicts[0]["detail"].startswith("Python path:") and calls == 0
+        pytest.skip(f"the rows' C call does not apply on this CPU: {verdicts[0]['detail']}")
+    assert "bit-identical" in verdicts[0]["detail"] and "-row decode" in verdicts[0]["detail"]  # (at its first rows)
+    assert calls >= 9  # the decode steps after the first and the check's own
+    _python_path(monkeypatch)
+    slow, _ = _generate(smollm2, BATCH, name=decode_layers.NAME_ROWS)
+    assert fast == slow and all(len(ids) == 12 for ids, _ in fast)
+
+
+def test_a_hook_runs_the_python_path_at_one_row_and_at_several(smollm2):
+    fused = exact_forward._decode_layers(smollm2.model)
+    quick = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+    _generate(smollm2, params=quick)  # decided
+    _generate(smollm2, BATCH, quick)
     fired = []
     hook = smollm2.model.model.layers[3].mlp.register_forward_hook(lambda *a: fired.append(1))
     try:
         before = fused.calls
         _generate(smollm2, params=SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
-        assert len(fired) >= 6 and fused.calls == before
+        _generate(smollm2, BATCH, SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True))
+        assert len(fired) >= 12 and fused.calls == before
     finally:
         hook.remove()
-    before = fused.calls
-    two, _ = _generate(smollm2, prompts=(PROMPT, "Water boils at"))  # two rows every step: never one
-    assert fused.calls == before and all(len(ids) == 12 for ids, _ in two)
 
 
 def test_a_second_thread_on_the_same_model_takes_the_python_path(smollm2):
@@ -89,25 +113,31 @@ def test_a_second_thread_on_the_same_model_takes_the_python_path(smollm2):
 
 def test_a_weight_replaced_after_load_is_the_one_read(monkeypatch):
     """A notebook assigns a new Parameter to a projection between two requests to the same engine:
-    the C call must read the new weight (its bound pointers are re-taken), as the Python path does."""
+    the C calls, at one row and at several, must read the new weight (their bound pointers are
+    re-taken), as the Python path does."""
     from workbench.models import load_model
 
     loaded = load_model("smollm2", device="cpu")
     fused = exact_forward._decode_layers(loaded.model)
     with Engine(loaded, trace_level="off") as engine:
         engine.generate([PROMPT], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
+        engine.generate(list(BATCH), SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
         down = loaded.model.model.layers[5].mlp.down_proj
         with torch.no_grad():
             down.weight = torch.nn.Parameter(down.weight * 1.5)
         before = fused.calls
         out = engine.generate([PROMPT], GREEDY)[0]
-        verdict = engine.runner.kernel_report()["checks"]["replacements"][decode_layers.NAME]["verdicts"][0]
-    if not verdict["ok"]:
-        pytest.skip(f"the C call does not apply on this CPU: {verdict['detail']}")
-    assert fused.calls - before >= 10
+        outs = engine.generate(list(BATCH), GREEDY)
+        verdicts = [engine.runner.kernel_report()["checks"]["replacements"][name]["verdicts"][0]
+                    for name in (decode_layers.NAME, decode_layers.NAME_ROWS)]
+    if not all(v["ok"] for v in verdicts):
+        pytest.skip(f"the C calls do not apply on this CPU: {[v['detail'] for v in verdicts]}")
+    assert fused.calls - before >= 20  # the one-row request's steps and the batch's
     _python_path(monkeypatch)
     slow, _ = _generate(loaded)
     assert [(out.token_ids, [(t.logprob, t.top_logprobs) for t in out.logprobs])] == slow
+    slow, _ = _generate(loaded, BATCH, name=decode_layers.NAME_ROWS)
+    assert [(o.token_ids, [(t.logprob, t.top_logprobs) for t in o.logprobs]) for o in outs] == slow
 
 
 def test_where_the_c_decode_kernel_passed_the_report_says_why_the_python_path_runs(monkeypatch):

@@ -48,6 +48,13 @@ def refused(rows: int, heads: int, kv_heads: int, head_dim: int) -> bool:
         BOOK.tables.get(ONE_ROW if rows == 1 else BATCH, {}).get((heads, kv_heads, head_dim)) is verdict
 
 
+def batch_fits(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Does `decode_attention` run the kernel for several decode rows of this head layout (built, and
+    its check passed here)?"""
+    return native.load() is not None and BOOK.decide(
+        BATCH, (heads, kv_heads, head_dim), lambda: _check(heads, kv_heads, head_dim, _unchecked, BATCH)).ok
+
+
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_idx: torch.Tensor,
                      lens: torch.Tensor, out: torch.Tensor, scale: float, window: int | None = None,
                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> bool:

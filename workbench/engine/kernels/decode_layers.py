@@ -37,6 +37,7 @@ from workbench.engine.kernels.book import BOOK
 from workbench.engine.kernels.verdict import Verdict
 
 NAME = "forward.decode_layers"
+NAME_ROWS = "forward.decode_layers_rows"
 
 
 class _Order(ctypes.Structure):
@@ -62,6 +63,27 @@ class _Shape(ctypes.Structure):
                 ("threads", ctypes.c_int), *[(n, _P) for n in _SCRATCH]]
 
 
+class _Blocked(ctypes.Structure):
+    _fields_ = [("kc", ctypes.c_int64), ("bias_first", ctypes.c_int64)]
+
+
+_LINEARS = (("q", "self_attn", "q_proj"), ("k", "self_attn", "k_proj"), ("v", "self_attn", "v_proj"),
+            ("o", "self_attn", "o_proj"), ("g", "mlp", "gate_proj"), ("u", "mlp", "up_proj"), ("d", "mlp", "down_proj"))
+
+
+class _LayerRows(ctypes.Structure):
+    _fields_ = [("ln1", _P), ("ln2", _P), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
+                ("lanes1", ctypes.c_int64), ("lanes2", ctypes.c_int64),
+                *[(n, _P) for n in ("wq", "wk", "wv", "bq", "bk", "bv", "wo", "bo", "wg", "bg", "wu", "bu", "wd", "bd")],
+                *[(n, _Blocked) for n, _, _ in _LINEARS],
+                ("k_pool", _P), ("v_pool", _P), ("scale", ctypes.c_float)]
+
+
+class _ShapeRows(ctypes.Structure):
+    _fields_ = [*[(n, ctypes.c_int64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter", "slots")],
+                ("threads", ctypes.c_int), *[(n, _P) for n in _SCRATCH]]
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -72,6 +94,7 @@ class DecodeLayers:
     def __init__(self) -> None:
         self.plan: tuple | None = None  # (key, layers array or None, shape struct or why not, scratch, what
         # `_current` compares, the KV pool it binds)
+        self.plans: dict[int, tuple] = {}  # decode rows -> the plan of `_run_rows` (as `plan`)
         self.mode = "checked"  # "python" inside its own check's reference forwards, "unchecked" for its C one
         self.calls = 0  # C calls made (the check asks whether its own forward made one)
         # the plan and its scratch buffers are one per model: a second thread running the same model
@@ -80,18 +103,21 @@ class DecodeLayers:
 
     def run(self, model: torch.nn.Module, fb: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             count: int, ops: Any, plain: bool, structure: int,
-            check: Callable[[], Verdict]) -> tuple[torch.Tensor, torch.Tensor] | None:
+            check: Callable[[int], Verdict]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`(residual, pending)` after the first `count` layers (what the Python loop leaves for
         the final norm), or None (nothing written anywhere) where this step is not one the C call
         may take. `plain`: the caller's layers attend with the engine's own attention function and
-        no sliding window; `structure`: a count that moves when any submodule is assigned; `check`:
-        the composed call against the Python path (run/exact_forward.py), run once per model."""
-        if self.mode == "python" or not plain or hidden.shape[-2] != 1 or fb.capture is not None:
+        no sliding window; `structure`: a count that moves when any submodule is assigned; `check(rows)`:
+        the composed call against the Python path at that many decode rows (run/exact_forward.py),
+        run once per model for one row and once for several (at the first row count it runs at)."""
+        if self.mode == "python" or not plain or fb.capture is not None:
             return None
         if not self.lock.acquire(blocking=False):  # (re-entered by its own check: an RLock)
             return None
         try:
-            return self._run(model, fb, hidden, cos, sin, count, ops, structure, check)
+            if hidden.shape[-2] == 1:
+                return self._run(model, fb, hidden, cos, sin, count, ops, structure, lambda: check(1))
+            return self._run_rows(model, fb, hidden, cos, sin, count, ops, structure, check)
         finally:
             self.lock.release()
 
@@ -148,14 +174,58 @@ class DecodeLayers:
     def _decide(plan: tuple, check: Callable[[], Verdict]) -> Verdict:
         return Verdict(False, f"Python path: {plan[2]}", {}) if plan[1] is None else check()
 
+    def _run_rows(self, model: torch.nn.Module, fb: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  count: int, ops: Any, structure: int,
+                  check: Callable[[int], Verdict]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Several decode rows (a decode-only batch) in one call of `wb_decode_layers_rows`, where
+        every projection's route at this row count is the blocked kernel and the batch attention
+        kernel runs for this head layout: what the Python path would call, one call a layer each."""
+        meta, rows = fb.attn, hidden.shape[-2]
+        idx, lens, loc = meta.decode_kv_idx, meta.decode_lens, fb.out_cache_loc
+        if meta.extend_rows or idx is None or meta.decode_start != 0 or idx.shape[0] != rows \
+                or torch.is_grad_enabled() or hidden.dtype != torch.float32 or idx.dtype != torch.int64 \
+                or idx.stride(1) != 1 or lens.dtype != torch.int64 or not lens.is_contiguous() \
+                or loc.dtype != torch.int64 or not loc.is_contiguous() or loc.shape[0] != rows:
+            return None
+        kv = fb.memory.kv
+        threads = torch.get_num_threads()
+        key = (structure, threads, count, kv.k[0].data_ptr(), rows)
+
+        def current() -> tuple:
+            plan = self.plans.get(rows)
+            if plan is None or plan[0] != key or plan[5]() is not kv or not _current(plan):
+                plan = self.plans[rows] = _make_rows(model, ops, kv, threads, count, rows, key)
+            return plan
+
+        if self.mode != "unchecked" and not BOOK.decide(NAME_ROWS, (threads,),
+                                                        lambda: self._decide(current(), lambda: check(rows)),
+                                                        about=model).ok:
+            return None
+        plan = current()
+        if plan[1] is None:
+            return None
+        res = hidden.clone(memory_format=torch.contiguous_format)
+        pending = torch.empty_like(res)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        rc = native.load().wb_decode_layers_rows(ctypes.addressof(plan[1]), count, ctypes.addressof(plan[2]), rows,
+                                                 res.data_ptr(), pending.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                                 loc.data_ptr(), idx.data_ptr(), idx.stride(0), lens.data_ptr())
+        if rc == -2:
+            raise IndexError("decode layers: a KV slot index or a row length is outside the pool / slot table")
+        if rc:
+            raise RuntimeError(f"decode layers: a kernel refused arguments the plan checked (code {rc})")
+        self.calls += 1
+        return res, pending
+
 
 class _Watched:
     """What `_current` compares, as flat lists the comparisons map over in C: each watched module's
     `__dict__` and the `forward` it held, each parameter's dict, name, tensor (or None) and, for the
     tensors, their addresses, and each projection's route dict and the key of its one-row route."""
 
-    def __init__(self, seen: tuple[list, list, list]) -> None:
+    def __init__(self, seen: tuple[list, list, list], route: str) -> None:
         forwards, params, routes = seen
+        self.route = route
         self.dicts, self.forwards = [d for d, _ in forwards], [f for _, f in forwards]
         self.param_dicts, self.names, self.tensors = [p for p, *_ in params], [n for _, n, *_ in params], \
             [t for _, _, t, _ in params]
@@ -177,7 +247,59 @@ def _current(plan: tuple) -> bool:
     return all(map(operator.is_, map(dict.get, w.dicts, _FORWARD), w.forwards)) \
         and all(map(operator.is_, map(dict.get, w.param_dicts, w.names), w.tensors)) \
         and list(map(_data_ptr, w.live)) == w.ptrs \
-        and (plan[1] is None or list(map(dict.get, w.route_dicts, w.route_keys)).count("rowdot") == len(w.route_keys))
+        and (plan[1] is None or list(map(dict.get, w.route_dicts, w.route_keys)).count(w.route) == len(w.route_keys))
+
+
+class _Binder:
+    """What a plan binds, and what it watches: each module it reads is recorded (its forward, its
+    parameters and their addresses, its linear's routes at `route_key`) for `_current` to compare
+    every step. `route` is the route each watched linear must still have."""
+
+    def __init__(self, model: torch.nn.Module, ops: Any, kv: Any, count: int, route_key: tuple, route: str) -> None:
+        cfg = model.config
+        self.ops, self.kv, self.route_key = ops, kv, route_key
+        self.layers = list(model.model.layers)[:count]
+        self.seen: tuple[list, list, list] = ([], [], [])  # (dict, forward), (params, name, tensor, ptr), (routes, key)
+        self.route = route
+        self.hidden = int(cfg.hidden_size)
+        self.heads, self.kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+
+    def why_not(self) -> str | None:
+        """Why no plan can bind these layers (the first reason), or None."""
+        kv, layers = self.kv, self.layers
+        if native.load() is None or self.ops is None or not layers or kv.k[0].dtype != torch.float32 \
+                or kv.k[0].device.type != "cpu":
+            return "the C kernels, the layer ops or a float32 CPU KV pool are missing"
+        d = int(layers[0].self_attn.head_dim)
+        if not self.ops.rope_fits(self.heads, self.kv_heads, d) or tuple(kv.k[0].shape[1:]) != (self.kv_heads, d):
+            return "rotary.apply was refused for this head layout"
+        inter = int(layers[0].mlp.gate_proj.out_features)
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if not self.ops.silu_mul_ok(mlp.act_fn) or int(attn.head_dim) != d:
+                return f"layer {i}: mlp.silu_mul was refused for its activation, or its head_dim differs"
+            if attn.q_proj.out_features != self.heads * d or attn.k_proj.out_features != self.kv_heads * d \
+                    or mlp.gate_proj.out_features != inter:
+                return f"layer {i}: its projections' widths differ from the config's"
+        return None
+
+    def watch(self, module: torch.nn.Module) -> bool:
+        forward = module.__dict__.get("forward")
+        self.seen[0].append((module.__dict__, forward))
+        for n, t in module._parameters.items():
+            self.seen[1].append((module._parameters, n, t, t.data_ptr() if t is not None else 0))
+        if hasattr(forward, "_routes"):
+            self.seen[2].append((forward._routes, self.route_key))
+        return all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in module._parameters.values())
+
+    def norm(self, module: torch.nn.Module) -> tuple | str:
+        lanes = self.ops._norm_lanes(module)
+        if lanes is None or not self.watch(module) or module.weight.shape != (self.hidden,):
+            return "norm.rms was refused for this norm"
+        return module.weight, float(module.variance_epsilon), lanes
+
+    def watched(self) -> _Watched:
+        return _Watched(self.seen, self.route)
 
 
 def _make(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, key: tuple) -> tuple:
@@ -185,61 +307,34 @@ def _make(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, k
     kernels the C call calls."""
     from workbench.engine.kernels.gemm import one_row_order
 
-    cfg = model.config
-    inner = model.model
-    layers = list(inner.layers)[:count]
-    seen: tuple[list, list, list] = ([], [], [])  # (module dict, forward), (params, name, tensor, ptr), (routes, key)
+    bind = _Binder(model, ops, kv, count, (1, threads), "rowdot")
+    layers, hidden, heads, kv_heads = bind.layers, bind.hidden, bind.heads, bind.kv_heads
 
     def refused(why: str) -> tuple:
-        return key, None, why, None, _Watched(seen), weakref.ref(kv)
+        return key, None, why, None, bind.watched(), weakref.ref(kv)
 
+    why = bind.why_not()
+    if why is not None:
+        return refused(why)
     lib = native.load()
-    if lib is None or ops is None or not layers or kv.k[0].dtype != torch.float32 or kv.k[0].device.type != "cpu":
-        return refused("the C kernels, the layer ops or a float32 CPU KV pool are missing")
-    attn0 = layers[0].self_attn
-    d = int(attn0.head_dim)
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(cfg.num_key_value_heads)
-    hidden = int(cfg.hidden_size)
+    d = int(layers[0].self_attn.head_dim)
     inter = int(layers[0].mlp.gate_proj.out_features)
-    if not ops.rope_fits(heads, kv_heads, d) or tuple(kv.k[0].shape[1:]) != (kv_heads, d):
-        return refused("rotary.apply was refused for this head layout")
     flash = decode_attention.flash_lanes(heads, kv_heads, d, threads)
     if flash is None or not decode_attention._sgemm_ready(lib):
         return refused("attention.flash_one_row was refused for this head layout and thread count")
 
-    def watch(module: torch.nn.Module) -> bool:
-        forward = module.__dict__.get("forward")
-        seen[0].append((module.__dict__, forward))
-        for n, t in module._parameters.items():
-            seen[1].append((module._parameters, n, t, t.data_ptr() if t is not None else 0))
-        if hasattr(forward, "_routes"):
-            seen[2].append((forward._routes, (1, threads)))
-        return all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in module._parameters.values())
-
     def linears(name: str, *mods: torch.nn.Module) -> _Order | str:
-        if not all([watch(m) for m in mods]):
+        if not all([bind.watch(m) for m in mods]):
             return f"{name} is not a packed float32 linear"
         order = one_row_order(list(mods))
         if isinstance(order, str):
             return f"{name} {order}"
         return _Order(order[0], order[1], int(order[2]))
 
-    def norm(module: torch.nn.Module) -> tuple | str:
-        lanes = ops._norm_lanes(module)
-        if lanes is None or not watch(module) or module.weight.shape != (hidden,):
-            return "norm.rms was refused for this norm"
-        return module.weight, float(module.variance_epsilon), lanes
-
     structs = (_Layer * len(layers))()
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if not ops.silu_mul_ok(mlp.act_fn) or int(attn.head_dim) != d:
-            return refused(f"layer {i}: mlp.silu_mul was refused for its activation, or its head_dim differs")
-        if attn.q_proj.out_features != heads * d or attn.k_proj.out_features != kv_heads * d \
-                or mlp.gate_proj.out_features != inter:
-            return refused(f"layer {i}: its projections' widths differ from the config's")
-        n1, n2 = norm(layer.input_layernorm), norm(layer.post_attention_layernorm)
+        n1, n2 = bind.norm(layer.input_layernorm), bind.norm(layer.post_attention_layernorm)
         qkv = linears(f"layer {i}'s q/k/v", attn.q_proj, attn.k_proj, attn.v_proj)
         o, gate_up = linears(f"layer {i}'s o_proj", attn.o_proj), linears(f"layer {i}'s gate/up", mlp.gate_proj, mlp.up_proj)
         down = linears(f"layer {i}'s down_proj", mlp.down_proj)
@@ -260,4 +355,49 @@ def _make(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, k
                zip(_SCRATCH, (hidden, heads * d, kv_heads * d, kv_heads * d, heads * d, kv_heads * d, heads * d, hidden,
                               inter, inter, inter))}
     shape = _Shape(hidden, heads, kv_heads, d, inter, flash, threads, *[t.data_ptr() for t in scratch.values()])
-    return key, structs, shape, scratch, _Watched(seen), weakref.ref(kv)
+    return key, structs, shape, scratch, bind.watched(), weakref.ref(kv)
+
+
+def _make_rows(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, rows: int, key: tuple) -> tuple:
+    """`_make` for `rows` decode rows: each projection bound with its blocked order at this row count."""
+    from workbench.engine.kernels.gemm import BLOCKED, PackedLinear
+
+    bind = _Binder(model, ops, kv, count, (rows, threads), BLOCKED)
+    layers, hidden, heads, kv_heads = bind.layers, bind.hidden, bind.heads, bind.kv_heads
+
+    def refused(why: str) -> tuple:
+        return key, None, why, None, bind.watched(), weakref.ref(kv)
+
+    why = bind.why_not()
+    if why is not None:
+        return refused(why)
+    d = int(layers[0].self_attn.head_dim)
+    inter = int(layers[0].mlp.gate_proj.out_features)
+    if not decode_attention.batch_fits(heads, kv_heads, d):
+        return refused(f"{decode_attention.BATCH} was refused for this head layout")
+    structs = (_LayerRows * len(layers))()
+    for i, layer in enumerate(layers):
+        s = structs[i]
+        n1, n2 = bind.norm(layer.input_layernorm), bind.norm(layer.post_attention_layernorm)
+        for part in (n1, n2):
+            if isinstance(part, str):
+                return refused(f"layer {i}: {part}")
+        s.ln1, s.eps1, s.lanes1 = n1[0].data_ptr(), n1[1], n1[2]
+        s.ln2, s.eps2, s.lanes2 = n2[0].data_ptr(), n2[1], n2[2]
+        for name, owner, attr in _LINEARS:
+            lin = getattr(getattr(layer, owner), attr)
+            forward = lin.__dict__.get("forward")
+            if not bind.watch(lin) or not isinstance(forward, PackedLinear) or forward.route(rows) != BLOCKED:
+                return refused(f"layer {i}'s {attr} does not run linear.blocked at {rows} rows (its check or race)")
+            kc, bias_first = forward.blocked_orders[rows]
+            setattr(s, name, _Blocked(kc, int(bias_first)))
+            setattr(s, "w" + name, lin.weight.data_ptr())
+            setattr(s, "b" + name, _ptr(lin.bias))
+        s.k_pool, s.v_pool = kv.k[i].data_ptr(), kv.v[i].data_ptr()
+        s.scale = float(layer.self_attn.scaling)
+    qd, kvd = heads * d, kv_heads * d
+    scratch = {n: torch.empty(rows * size) for n, size in
+               zip(_SCRATCH, (hidden, qd, kvd, kvd, qd, kvd, qd, hidden, inter, inter, inter))}
+    shape = _ShapeRows(hidden, heads, kv_heads, d, inter, kv.k[0].shape[0], threads,
+                       *[t.data_ptr() for t in scratch.values()])
+    return key, structs, shape, scratch, bind.watched(), weakref.ref(kv)

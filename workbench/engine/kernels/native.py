@@ -154,6 +154,10 @@ def _load_c() -> ctypes.CDLL | None:
     layers = lib.wb_decode_layers
     layers.restype = ctypes.c_int
     layers.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
+    layers_rows = lib.wb_decode_layers_rows
+    layers_rows.restype = ctypes.c_int
+    layers_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 6 + \
+        [ctypes.c_int64, ctypes.c_void_p]
     return lib
 
 

@@ -129,6 +129,16 @@ _ALL = [
                 note="only where each of those kernels' own checks passed and this step is one row on consecutive "
                      "slots with the engine's attention, no capture, hook or sliding window; checked per model "
                      "object on a one-row decode over 40 keys of scratch KV (logits and every layer's K/V)"),
+    Replacement("forward.decode_layers_rows", "the direct forward's layers at several decode rows (~15 Python calls "
+                "a layer around norm.rms, linear.blocked, rotary.apply, the KV write, attention.decode_batch and "
+                "mlp.silu_mul)",
+                "one C call a step making those same kernel calls with the same arguments in the same order "
+                "(kernels/c/decode_layers.c)", IDENTICAL, ("threads",), MACHINE,
+                ("workbench.engine.kernels.decode_layers",), native=True, lives=PER_OBJECT, on_disk="none",
+                note="only where each of those kernels' own checks passed, every projection's route at this row "
+                     "count is linear.blocked and the step is decode rows only, with the engine's attention, no "
+                     "capture, hook or sliding window; checked per model object on a decode of the first row "
+                     "count it runs at, rows of different lengths over scratch KV (logits and every layer's K/V)"),
     Replacement("forward.direct", "the model's own forward (module dispatch, transformers' decorators)",
                 "the direct forward: the same torch ops in the same order without the dispatch "
                 "(run/exact_forward.py)", IDENTICAL, ("model",), MODEL, ("workbench.engine.run.exact_forward",),

@@ -148,13 +148,13 @@ def forward(model: torch.nn.Module, fb: Any, layers: int | None = None) -> torch
     # add_module calls count as submodule assignments (`assignments`), which would make the runner
     # re-read the model's structure before every forward (~1 ms a step on SmolLM2)
     todo = itertools.islice(inner.layers, count)
-    if ops is not None and not fam.qk_norm:  # one decode row: every layer in one C call where it may
+    if ops is not None and not fam.qk_norm:  # decode rows: every layer in one C call where it may
         fused = _decode_layers(model)
         from workbench.engine.run.attention import workbench_attention
 
         plain = attend is workbench_attention and _window_free(fam, window, inner.layers, count)
         done = fused.run(model, fb, hidden, cos, sin, count, ops, plain, assignments(),
-                         lambda: verify_decode_layers(model, fused, fb.memory.kv))
+                         lambda rows: verify_decode_layers(model, fused, fb.memory.kv, rows))
         if done is not None:
             (hidden, pending), todo = done, ()
     for layer in todo:
@@ -230,26 +230,33 @@ def _decode_layers(model: torch.nn.Module) -> Any:
     return fused
 
 
-def verify_decode_layers(model: torch.nn.Module, fused: Any, kv: Any) -> Verdict:
-    """`forward.decode_layers`' check: a one-row decode on scratch KV laid out as the engine's
-    (consecutive slots, the engine pool's head layout and dtype), through the Python path and
-    through the C call; the logits and every layer's K/V at the new slot compared bit for bit."""
+def verify_decode_layers(model: torch.nn.Module, fused: Any, kv: Any, rows: int = 1) -> Verdict:
+    """`forward.decode_layers`' check (and, at several `rows`, `forward.decode_layers_rows`'): a decode
+    on scratch KV laid out as the engine's (the engine pool's head layout and dtype; at one row over
+    consecutive slots, at several over rows of different lengths), through the Python path and
+    through the C call; the logits and every layer's K/V at the new slots compared bit for bit."""
     from workbench.engine.run.forward_batch import ForwardMode, RowSpec, build_forward_batch
     from workbench.engine.sched.memory import Memory
 
     start = time.perf_counter()
     layers = len(kv.k)
-    memory = Memory(num_layers=layers, kv_heads=kv.k[0].shape[1], head_dim=kv.k[0].shape[2], kv_tokens=48,
-                    max_running=1, max_context_len=48, dtype=kv.k[0].dtype, device="cpu")
+    lengths = [39] if rows == 1 else [3 + (5 * r) % 11 for r in range(rows)]  # prompt tokens a row
+    memory = Memory(num_layers=layers, kv_heads=kv.k[0].shape[1], head_dim=kv.k[0].shape[2],
+                    kv_tokens=sum(lengths) + rows + 8, max_running=rows, max_context_len=max(lengths) + 9,
+                    dtype=kv.k[0].dtype, device="cpu")
     vocab = int(model.config.vocab_size)
-    ids = [(7919 * i + 13) % vocab for i in range(40)]
-    a = memory.req_to_token_pool.allocate()
-    plan, calls = fused.plan, fused.calls
+    ids = [[(7919 * (i + 50 * r) + 13) % vocab for i in range(n + 1)] for r, n in enumerate(lengths)]
+    slots = [memory.req_to_token_pool.allocate() for _ in lengths]
+    names = [f"r{r}" for r in range(rows)]
+    plans = (fused.plan, dict(fused.plans))
+    calls = fused.calls
     try:
         with torch.inference_mode():
             fused.mode = "python"
-            forward(model, build_forward_batch(ForwardMode.EXTEND, [RowSpec("a", a, 0, ids[:39], 1)], memory, "cpu"))
-            step = build_forward_batch(ForwardMode.DECODE, [RowSpec("a", a, 39, ids[39:], 1)], memory, "cpu")
+            forward(model, build_forward_batch(ForwardMode.EXTEND, [RowSpec(n, a, 0, t[:-1], 1) for n, a, t in
+                                                                    zip(names, slots, ids, strict=True)], memory, "cpu"))
+            step = build_forward_batch(ForwardMode.DECODE, [RowSpec(n, a, len(t) - 1, t[-1:], 1) for n, a, t in
+                                                            zip(names, slots, ids, strict=True)], memory, "cpu")
             want = forward(model, step)
             loc = step.out_cache_loc
             want_kv = [(k.index_select(0, loc), v.index_select(0, loc)) for k, v in zip(memory.kv.k, memory.kv.v)]
@@ -261,10 +268,12 @@ def verify_decode_layers(model: torch.nn.Module, fused: Any, kv: Any) -> Verdict
     finally:
         fused.mode = "checked"
         ran = fused.calls > calls
-        fused.plan = plan  # the engine's pool's, not the scratch one's
-    facts = {"seconds": round(time.perf_counter() - start, 3)}
+        fused.plan, fused.plans = plans  # the engine's pool's, not the scratch one's
+    where = "a one-row decode over 40 keys" if rows == 1 else f"a {rows}-row decode over {min(lengths) + 1}-" \
+        f"{max(lengths) + 1} keys a row"
+    facts = {"seconds": round(time.perf_counter() - start, 3), "rows": rows}
     if not ran:
-        return Verdict(False, "Python path: the C call did not take the check's one-row decode", facts)
+        return Verdict(False, f"Python path: the C call did not take the check's {where}", facts)
     if not torch.equal(got, want):
         diff = (got - want).abs().max().item()
         return Verdict(False, f"Python path: the C call's logits differ by up to {diff:.3g}", facts)
@@ -272,8 +281,8 @@ def verify_decode_layers(model: torch.nn.Module, fused: Any, kv: Any) -> Verdict
         if not (torch.equal(k, memory.kv.k[layer].index_select(0, loc))
                 and torch.equal(v, memory.kv.v[layer].index_select(0, loc))):
             return Verdict(False, f"Python path: layer {layer}'s K/V written by the C call differ", facts)
-    return Verdict(True, f"kernel: logits and all {layers} layers' K/V bit-identical to the Python path on a "
-                   "one-row decode over 40 keys", facts)
+    return Verdict(True, f"kernel: logits and all {layers} layers' K/V bit-identical to the Python path on {where}",
+                   facts)
 
 
 _groups: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()

@@ -113,3 +113,85 @@ int wb_decode_layers(const wb_layer *layers, int64_t count, const wb_shape *s, f
     }
     return 0;
 }
+
+/* ---- several decode rows ------------------------------------------------------------------------
+ * The same layers at R decode rows (a decode-only batch), in one call: the direct forward's
+ * sequence at several rows, each kernel called with what the Python path passes it. Per layer:
+ *   res += pending, x = input_layernorm(res)                    wb_rms_norm (R rows)
+ *   q, k, v = q/k/v_proj(x)                                     wb_linear_rows, each its own order
+ *   q, k = rope(q, k)                                           wb_rope (R rows)
+ *   pool[loc[r]] = k[r], v[r]                                   (the KV write: a copy)
+ *   attn = each row's query over its slots kv_idx[r][:lens[r]]  wb_decode_attention
+ *   res += o_proj(attn), x = post_attention_layernorm(res)      wb_linear_rows, wb_rms_norm
+ *   pending = down_proj(silu(gate_proj(x)) * up_proj(x))        wb_linear_rows, wb_silu_mul
+ */
+int wb_linear_rows(const float *X, const float *W, const float *bias, float *Y, int64_t R, int64_t N,
+                   int64_t K, int64_t KC, int bias_first, int num_threads);
+int wb_decode_attention(const float *q, const float *k, const float *v, const int64_t *idx,
+                        int64_t idx_stride, const int64_t *lens, float *out, int64_t B, int64_t H,
+                        int64_t KVH, int64_t D, float scale, int num_threads, int64_t num_slots,
+                        int64_t window, float softcap, const float *sinks);
+
+/* One projection's blocked order at this row count, as kernels/gemm.py checked it: KC, bias first. */
+typedef struct {
+    int64_t kc, bias_first;
+} wb_blocked;
+
+typedef struct {
+    const float *ln1, *ln2;
+    float eps1, eps2;
+    int64_t lanes1, lanes2;
+    const float *wq, *wk, *wv, *bq, *bk, *bv;
+    const float *wo, *bo, *wg, *bg, *wu, *bu, *wd, *bd;
+    wb_blocked q, k, v, o, g, u, d;
+    float *k_pool, *v_pool;
+    float scale;
+} wb_layer_rows;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter, slots;
+    int threads;
+    /* scratch for R rows: x [R, hidden], q [R, heads * d], k, v [R, kv_heads * d], qr, kr, attn, o, gate, up, act */
+    float *x, *q, *k, *v, *qr, *kr, *attn, *o, *gate, *up, *act;
+} wb_shape_rows;
+
+static int rows_linear(const float *x, const float *w, const float *b, float *y, int64_t R, int64_t N, int64_t K,
+                       wb_blocked order, int threads) {
+    return wb_linear_rows(x, w, b, y, R, N, K, order.kc, (int)order.bias_first, threads);
+}
+
+/* res [R, hidden]: the embeddings in, the residual stream out; pending [R, hidden]: the last layer's
+ * MLP output out. cos/sin [R, head_dim]; loc [R]: each row's new KV slot; kv_idx [R, idx_stride]
+ * and lens [R]: each row's slots and how many it attends. Returns 0, -2 for a slot outside the
+ * pool (nothing of that layer written), or the first kernel's nonzero code. */
+int wb_decode_layers_rows(const wb_layer_rows *layers, int64_t count, const wb_shape_rows *s, int64_t R, float *res,
+                          float *pending, const float *cos_, const float *sin_, const int64_t *loc,
+                          const int64_t *kv_idx, int64_t idx_stride, const int64_t *lens) {
+    const int64_t H = s->hidden, d = s->head_dim, qd = s->heads * d, kvd = s->kv_heads * d, I = s->inter;
+    for (int64_t r = 0; r < R; r++)
+        if (loc[r] < 0 || loc[r] >= s->slots) return -2;
+    int rc;
+    for (int64_t i = 0; i < count; i++) {
+        const wb_layer_rows *l = layers + i;
+        if ((rc = wb_rms_norm(res, i ? pending : NULL, i ? res : NULL, l->ln1, s->x, R, H, l->eps1, (int)l->lanes1)))
+            return rc;
+        if ((rc = rows_linear(s->x, l->wq, l->bq, s->q, R, qd, H, l->q, s->threads))) return rc;
+        if ((rc = rows_linear(s->x, l->wk, l->bk, s->k, R, kvd, H, l->k, s->threads))) return rc;
+        if ((rc = rows_linear(s->x, l->wv, l->bv, s->v, R, kvd, H, l->v, s->threads))) return rc;
+        if ((rc = wb_rope(s->q, s->k, qd, kvd, cos_, sin_, s->qr, s->kr, R, s->heads, s->kv_heads, d))) return rc;
+        for (int64_t r = 0; r < R; r++) {
+            memcpy(l->k_pool + loc[r] * kvd, s->kr + r * kvd, (size_t)kvd * sizeof(float));
+            memcpy(l->v_pool + loc[r] * kvd, s->v + r * kvd, (size_t)kvd * sizeof(float));
+        }
+        if ((rc = wb_decode_attention(s->qr, l->k_pool, l->v_pool, kv_idx, idx_stride, lens, s->attn, R, s->heads,
+                                      s->kv_heads, d, l->scale, s->threads, s->slots, 0, 0.0f, NULL)))
+            return rc;
+        if ((rc = rows_linear(s->attn, l->wo, l->bo, s->o, R, H, qd, l->o, s->threads))) return rc;
+        if ((rc = wb_rms_norm(res, s->o, res, l->ln2, s->x, R, H, l->eps2, (int)l->lanes2))) return rc;
+        if ((rc = rows_linear(s->x, l->wg, l->bg, s->gate, R, I, H, l->g, s->threads))) return rc;
+        if ((rc = rows_linear(s->x, l->wu, l->bu, s->up, R, I, H, l->u, s->threads))) return rc;
+        if ((rc = wb_silu_mul(s->gate, s->up, s->act, R * I, s->threads))) return rc;
+        if ((rc = rows_linear(s->act, l->wd, l->bd, pending, R, H, I, l->d, s->threads))) return rc;
+    }
+    return 0;
+}
