@@ -66,7 +66,7 @@ def patched(obj: Any, attr: str, new: Any) -> Iterator[None]:
 
 def instrument(engine, timers: Timers, layers_c: bool = True) -> contextlib.ExitStack:
     """Wrap the pipeline's functions in timers (undone when the returned stack closes). `layers_c`:
-    a one-row step's layers may run as one C call (kernels/decode_layers.py, timed as "layers_c");
+    a decode step's layers may run as one C call (kernels/decode_layers.py, timed as "layers_c");
     attention is then not timed on its own (a timer registered in its place is a different function,
     for which the C call steps aside), so on a step the Python path takes it counts as the model's
     other ops. Without it the C call is off and attention is timed."""
@@ -151,7 +151,7 @@ def profile_batch(loaded, batch: int, steps: int, trace_level: str, new: int = 1
         engine.step()
     timers = Timers(clock)
     walls = []
-    with instrument(engine, timers, layers_c and batch == 1):  # (it takes one-row steps only)
+    with instrument(engine, timers, layers_c):
         for _ in range(steps):
             t = clock()
             engine.step()
