@@ -109,7 +109,7 @@ class DecodeLayers:
         may take. `plain`: the caller's layers attend with the engine's own attention function and
         no sliding window; `structure`: a count that moves when any submodule is assigned; `check(rows)`:
         the composed call against the Python path at that many decode rows (run/exact_forward.py),
-        run once per model for one row and once for several (at the first row count it runs at)."""
+        run once per model object and row count."""
         if self.mode == "python" or not plain or fb.capture is not None:
             return None
         if not self.lock.acquire(blocking=False):  # (re-entered by its own check: an RLock)
@@ -178,8 +178,9 @@ class DecodeLayers:
                   count: int, ops: Any, structure: int,
                   check: Callable[[int], Verdict]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Several decode rows (a decode-only batch) in one call of `wb_decode_layers_rows`, where
-        every projection's route at this row count is the blocked kernel and the batch attention
-        kernel runs for this head layout: what the Python path would call, one call a layer each."""
+        every projection's blocked kernel passed its check at this row count (bit-identical to
+        F.linear, so to whatever the projection's own race picked) and the batch attention kernel
+        runs for this head layout: what the Python path computes, one call a layer each."""
         meta, rows = fb.attn, hidden.shape[-2]
         idx, lens, loc = meta.decode_kv_idx, meta.decode_lens, fb.out_cache_loc
         if meta.extend_rows or idx is None or meta.decode_start != 0 or idx.shape[0] != rows \
@@ -197,7 +198,7 @@ class DecodeLayers:
                 plan = self.plans[rows] = _make_rows(model, ops, kv, threads, count, rows, key)
             return plan
 
-        if self.mode != "unchecked" and not BOOK.decide(NAME_ROWS, (threads,),
+        if self.mode != "unchecked" and not BOOK.decide(NAME_ROWS, (threads, rows),
                                                         lambda: self._decide(current(), lambda: check(rows)),
                                                         about=model).ok:
             return None
@@ -252,10 +253,11 @@ def _current(plan: tuple) -> bool:
 
 class _Binder:
     """What a plan binds, and what it watches: each module it reads is recorded (its forward, its
-    parameters and their addresses, its linear's routes at `route_key`) for `_current` to compare
-    every step. `route` is the route each watched linear must still have."""
+    parameters and their addresses, and with a `route_key` its linear's route there) for `_current`
+    to compare every step. `route` is the route each watched linear must still have."""
 
-    def __init__(self, model: torch.nn.Module, ops: Any, kv: Any, count: int, route_key: tuple, route: str) -> None:
+    def __init__(self, model: torch.nn.Module, ops: Any, kv: Any, count: int, route_key: tuple | None,
+                 route: str) -> None:
         cfg = model.config
         self.ops, self.kv, self.route_key = ops, kv, route_key
         self.layers = list(model.model.layers)[:count]
@@ -288,7 +290,7 @@ class _Binder:
         self.seen[0].append((module.__dict__, forward))
         for n, t in module._parameters.items():
             self.seen[1].append((module._parameters, n, t, t.data_ptr() if t is not None else 0))
-        if hasattr(forward, "_routes"):
+        if self.route_key is not None and hasattr(forward, "_routes"):
             self.seen[2].append((forward._routes, self.route_key))
         return all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in module._parameters.values())
 
@@ -359,10 +361,11 @@ def _make(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, k
 
 
 def _make_rows(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, rows: int, key: tuple) -> tuple:
-    """`_make` for `rows` decode rows: each projection bound with its blocked order at this row count."""
-    from workbench.engine.kernels.gemm import BLOCKED, PackedLinear
+    """`_make` for `rows` decode rows: each projection bound with the blocked kernel's order its check
+    found at this row count."""
+    from workbench.engine.kernels.gemm import BLOCKED_MAX_ROWS, BLOCKED_MIN_ROWS, PackedLinear
 
-    bind = _Binder(model, ops, kv, count, (rows, threads), BLOCKED)
+    bind = _Binder(model, ops, kv, count, None, "")
     layers, hidden, heads, kv_heads = bind.layers, bind.hidden, bind.heads, bind.kv_heads
 
     def refused(why: str) -> tuple:
@@ -375,6 +378,8 @@ def _make_rows(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: i
     inter = int(layers[0].mlp.gate_proj.out_features)
     if not decode_attention.batch_fits(heads, kv_heads, d):
         return refused(f"{decode_attention.BATCH} was refused for this head layout")
+    if not BLOCKED_MIN_ROWS <= rows <= BLOCKED_MAX_ROWS:
+        return refused(f"linear.blocked does not run at {rows} rows")
     structs = (_LayerRows * len(layers))()
     for i, layer in enumerate(layers):
         s = structs[i]
@@ -387,8 +392,10 @@ def _make_rows(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: i
         for name, owner, attr in _LINEARS:
             lin = getattr(getattr(layer, owner), attr)
             forward = lin.__dict__.get("forward")
-            if not bind.watch(lin) or not isinstance(forward, PackedLinear) or forward.route(rows) != BLOCKED:
-                return refused(f"layer {i}'s {attr} does not run linear.blocked at {rows} rows (its check or race)")
+            if not bind.watch(lin) or not isinstance(forward, PackedLinear):
+                return refused(f"layer {i}'s {attr} is not a packed float32 linear")
+            if not forward._blocked_ok(rows):
+                return refused(f"layer {i}'s {attr}: linear.blocked was refused at {rows} rows")
             kc, bias_first = forward.blocked_orders[rows]
             setattr(s, name, _Blocked(kc, int(bias_first)))
             setattr(s, "w" + name, lin.weight.data_ptr())

@@ -42,11 +42,6 @@ RACE_REPEATS = 3  # timed rounds per entrant (after one untimed call), the best 
 # where it is the slower one in the step; at 32 rows on the AVX2-only EPYC it kept F.linear for
 # q/k/v/o/down, 0.37 ms a call in the model's sweep against the blocked kernel's 0.25.
 RACE_RING_BYTES = 64 << 20
-# The blocked kernel wins a race it loses by up to this factor: a decode step's layers run as one
-# C call (forward.decode_layers_rows) only where every projection runs it, which took 18-28% off a
-# step on the AVX2-only EPYC, while at 32 rows the 192x576 and 576x576 projections were within
-# 10% of F.linear there and a fresh race's noise flipped them (then the whole step ran in Python).
-BLOCKED_PREFERENCE = 1.10
 # A race whose threads spent more than this share of their time waiting for a CPU that other
 # processes held (a compiler, a peer engine starting) holds in this process only: a later load does not trust it from disk and
 # races again. One such race, on an AVX2-only EPYC while llama.cpp compiled, kept F.linear for
@@ -187,15 +182,9 @@ def _race(packed: PackedLinear, rows: int, entrants: tuple[str, ...]) -> Verdict
                 best[kind] = min(best[kind], _time(kind, sweeps[kind], x) / len(ring))
         del ring, packs, sweeps
     winner = min(entrants, key=best.__getitem__)
-    fastest_kind = winner
-    if BLOCKED in entrants and winner != BLOCKED and best[BLOCKED] <= BLOCKED_PREFERENCE * best[winner]:
-        winner = BLOCKED
     ms = {k: round(t * 1e3, 4) for k, t in best.items()}
     waited = _waited_share(start)
     facts = {"winner": winner, "ms": ms, **({"waited": round(waited, 3)} if waited is not None else {})}
-    if winner != fastest_kind:
-        return Verdict(True, f"{winner} ran within {BLOCKED_PREFERENCE - 1:.0%} of {fastest_kind}, the fastest: only "
-                       "it lets a decode step's layers run as one C call", facts)
     return Verdict(winner != LINEAR, f"{winner} ran fastest", facts)
 
 

@@ -133,12 +133,13 @@ _ALL = [
                 "a layer around norm.rms, linear.blocked, rotary.apply, the KV write, attention.decode_batch and "
                 "mlp.silu_mul)",
                 "one C call a step making those same kernel calls with the same arguments in the same order "
-                "(kernels/c/decode_layers.c)", IDENTICAL, ("threads",), MACHINE,
+                "(kernels/c/decode_layers.c)", IDENTICAL, ("threads", "rows"), MACHINE,
                 ("workbench.engine.kernels.decode_layers",), native=True, lives=PER_OBJECT, on_disk="none",
-                note="only where each of those kernels' own checks passed, every projection's route at this row "
-                     "count is linear.blocked and the step is decode rows only, with the engine's attention, no "
-                     "capture, hook or sliding window; checked per model object on a decode of the first row "
-                     "count it runs at, rows of different lengths over scratch KV (logits and every layer's K/V)"),
+                note="only where each of those kernels' own checks passed (every projection's linear.blocked at "
+                     "this row count: F.linear's bits, whichever kernel its race picked) and the step is decode "
+                     "rows only, with the engine's attention, no capture, hook or sliding window; checked per model "
+                     "object and row count on a decode of rows of different lengths over seeded K/V (logits and "
+                     "every layer's K/V)"),
     Replacement("forward.direct", "the model's own forward (module dispatch, transformers' decorators)",
                 "the direct forward: the same torch ops in the same order without the dispatch "
                 "(run/exact_forward.py)", IDENTICAL, ("model",), MODEL, ("workbench.engine.run.exact_forward",),

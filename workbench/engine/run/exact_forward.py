@@ -233,14 +233,15 @@ def _decode_layers(model: torch.nn.Module) -> Any:
 def verify_decode_layers(model: torch.nn.Module, fused: Any, kv: Any, rows: int = 1) -> Verdict:
     """`forward.decode_layers`' check (and, at several `rows`, `forward.decode_layers_rows`'): a decode
     on scratch KV laid out as the engine's (the engine pool's head layout and dtype; at one row over
-    consecutive slots, at several over rows of different lengths), through the Python path and
-    through the C call; the logits and every layer's K/V at the new slots compared bit for bit."""
+    consecutive slots after a prefill, at several over rows of different lengths whose cached K/V is
+    seeded noise), through the Python path and through the C call; the logits and every layer's K/V
+    at the new slots compared bit for bit."""
     from workbench.engine.run.forward_batch import ForwardMode, RowSpec, build_forward_batch
     from workbench.engine.sched.memory import Memory
 
     start = time.perf_counter()
     layers = len(kv.k)
-    lengths = [39] if rows == 1 else [3 + (5 * r) % 11 for r in range(rows)]  # prompt tokens a row
+    lengths = [39] if rows == 1 else [3 + (5 * r) % 11 for r in range(rows)]  # cached tokens a row
     memory = Memory(num_layers=layers, kv_heads=kv.k[0].shape[1], head_dim=kv.k[0].shape[2],
                     kv_tokens=sum(lengths) + rows + 8, max_running=rows, max_context_len=max(lengths) + 9,
                     dtype=kv.k[0].dtype, device="cpu")
@@ -253,8 +254,15 @@ def verify_decode_layers(model: torch.nn.Module, fused: Any, kv: Any, rows: int 
     try:
         with torch.inference_mode():
             fused.mode = "python"
-            forward(model, build_forward_batch(ForwardMode.EXTEND, [RowSpec(n, a, 0, t[:-1], 1) for n, a, t in
-                                                                    zip(names, slots, ids, strict=True)], memory, "cpu"))
+            if rows == 1:
+                forward(model, build_forward_batch(ForwardMode.EXTEND, [RowSpec(names[0], slots[0], 0, ids[0][:-1], 1)],
+                                                   memory, "cpu"))
+            else:  # each row's prefix: seeded K/V in slots of its own, no prefill (whose row count would race)
+                gen = torch.Generator().manual_seed(rows)
+                for a, n in zip(slots, lengths, strict=True):
+                    memory.req_to_token_pool.req_to_token[a, :n] = memory.allocator.allocate(n)
+                for pool in (*memory.kv.k, *memory.kv.v):
+                    pool[1:] = torch.randn(pool[1:].shape, generator=gen).to(pool.dtype)
             step = build_forward_batch(ForwardMode.DECODE, [RowSpec(n, a, len(t) - 1, t[-1:], 1) for n, a, t in
                                                             zip(names, slots, ids, strict=True)], memory, "cpu")
             want = forward(model, step)
