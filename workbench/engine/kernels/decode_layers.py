@@ -256,10 +256,10 @@ class _Binder:
     parameters and their addresses, and with a `route_key` its linear's route there) for `_current`
     to compare every step. `route` is the route each watched linear must still have."""
 
-    def __init__(self, model: torch.nn.Module, ops: Any, kv: Any, count: int, route_key: tuple | None,
+    def __init__(self, model: torch.nn.Module, ops: Any, kv: Any, count: int, key: tuple, route_key: tuple | None,
                  route: str) -> None:
         cfg = model.config
-        self.ops, self.kv, self.route_key = ops, kv, route_key
+        self.ops, self.kv, self.key, self.route_key = ops, kv, key, route_key
         self.layers = list(model.model.layers)[:count]
         self.seen: tuple[list, list, list] = ([], [], [])  # (dict, forward), (params, name, tensor, ptr), (routes, key)
         self.route = route
@@ -300,8 +300,19 @@ class _Binder:
             return "norm.rms was refused for this norm"
         return module.weight, float(module.variance_epsilon), lanes
 
-    def watched(self) -> _Watched:
-        return _Watched(self.seen, self.route)
+    def plan(self, structs: Any, shape: Any, scratch: dict[str, torch.Tensor] | None) -> tuple:
+        """The plan: (key, the layers' structs, the shape struct, its scratch, what `_current` watches,
+        the KV pool); with `structs` None, `shape` is why the Python path runs instead."""
+        return self.key, structs, shape, scratch, _Watched(self.seen, self.route), weakref.ref(self.kv)
+
+    def start(self) -> tuple | None:
+        """The refusal plan where `why_not` finds a reason, else None (with `head_dim` and `inter` set)."""
+        why = self.why_not()
+        if why is not None:
+            return self.plan(None, why, None)
+        self.head_dim = int(self.layers[0].self_attn.head_dim)
+        self.inter = int(self.layers[0].mlp.gate_proj.out_features)
+        return None
 
 
 def _make(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, key: tuple) -> tuple:
@@ -309,18 +320,13 @@ def _make(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, k
     kernels the C call calls."""
     from workbench.engine.kernels.gemm import one_row_order
 
-    bind = _Binder(model, ops, kv, count, (1, threads), "rowdot")
+    bind = _Binder(model, ops, kv, count, key, (1, threads), "rowdot")
     layers, hidden, heads, kv_heads = bind.layers, bind.hidden, bind.heads, bind.kv_heads
-
-    def refused(why: str) -> tuple:
-        return key, None, why, None, bind.watched(), weakref.ref(kv)
-
-    why = bind.why_not()
-    if why is not None:
-        return refused(why)
-    lib = native.load()
-    d = int(layers[0].self_attn.head_dim)
-    inter = int(layers[0].mlp.gate_proj.out_features)
+    refusal = bind.start()
+    if refusal is not None:
+        return refusal
+    refused = lambda why: bind.plan(None, why, None)  # noqa: E731
+    lib, d, inter = native.load(), bind.head_dim, bind.inter
     flash = decode_attention.flash_lanes(heads, kv_heads, d, threads)
     if flash is None or not decode_attention._sgemm_ready(lib):
         return refused("attention.flash_one_row was refused for this head layout and thread count")
@@ -357,7 +363,7 @@ def _make(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, k
                zip(_SCRATCH, (hidden, heads * d, kv_heads * d, kv_heads * d, heads * d, kv_heads * d, heads * d, hidden,
                               inter, inter, inter))}
     shape = _Shape(hidden, heads, kv_heads, d, inter, flash, threads, *[t.data_ptr() for t in scratch.values()])
-    return key, structs, shape, scratch, bind.watched(), weakref.ref(kv)
+    return bind.plan(structs, shape, scratch)
 
 
 def _make_rows(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, rows: int, key: tuple) -> tuple:
@@ -365,17 +371,13 @@ def _make_rows(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: i
     found at this row count."""
     from workbench.engine.kernels.gemm import BLOCKED_MAX_ROWS, BLOCKED_MIN_ROWS, PackedLinear
 
-    bind = _Binder(model, ops, kv, count, None, "")
+    bind = _Binder(model, ops, kv, count, key, None, "")
     layers, hidden, heads, kv_heads = bind.layers, bind.hidden, bind.heads, bind.kv_heads
-
-    def refused(why: str) -> tuple:
-        return key, None, why, None, bind.watched(), weakref.ref(kv)
-
-    why = bind.why_not()
-    if why is not None:
-        return refused(why)
-    d = int(layers[0].self_attn.head_dim)
-    inter = int(layers[0].mlp.gate_proj.out_features)
+    refusal = bind.start()
+    if refusal is not None:
+        return refusal
+    refused = lambda why: bind.plan(None, why, None)  # noqa: E731
+    d, inter = bind.head_dim, bind.inter
     if not decode_attention.batch_fits(heads, kv_heads, d):
         return refused(f"{decode_attention.BATCH} was refused for this head layout")
     if not BLOCKED_MIN_ROWS <= rows <= BLOCKED_MAX_ROWS:
@@ -407,4 +409,4 @@ def _make_rows(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: i
                zip(_SCRATCH, (hidden, qd, kvd, kvd, qd, kvd, qd, hidden, inter, inter, inter))}
     shape = _ShapeRows(hidden, heads, kv_heads, d, inter, kv.k[0].shape[0], threads,
                        *[t.data_ptr() for t in scratch.values()])
-    return key, structs, shape, scratch, bind.watched(), weakref.ref(kv)
+    return bind.plan(structs, shape, scratch)

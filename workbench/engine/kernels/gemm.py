@@ -33,15 +33,20 @@ LINEAR = "F.linear"  # the op they replace, which the race also enters
 PACKED_MIN_ROWS, PACKED_MAX_ROWS, SPLIT_MAX_ROWS = 16, 256, 64
 LOAD_TIME_ROWS = (1, 16, 32)  # decode batch sizes checked before the first request (the rest on first use)
 RACE_REPEATS = 3  # timed rounds per entrant (after one untimed call), the best one counts
-# What a decode step sees is each weight read among the model's others: the race sweeps each
-# entrant over a ring of copies of the weight as long as the model's linear weights or this many
-# bytes (twice the L3 of these machines), whichever is less, so each call's weight was last read a
+# What a decode step sees is each weight read among the model's others: up to RACE_RING_MAX_ROWS rows
+# the race sweeps each entrant over a ring of copies of the weight as long as the model's linear
+# weights or this many bytes (twice the L3 of these machines), whichever is less, so each call's weight was last read a
 # ring ago, as in a step (the packed entrant over packed copies). One call on one weight right
 # after an eviction is dominated by its first misses: at one row (192x576: 50-80 us for the C kernel
 # and for F.linear alike, against 35 and 49 us a call in the sweep) that made the race pick F.linear
 # where it is the slower one in the step; at 32 rows on the AVX2-only EPYC it kept F.linear for
 # q/k/v/o/down, 0.37 ms a call in the model's sweep against the blocked kernel's 0.25.
 RACE_RING_BYTES = 64 << 20
+# Above a decode batch's rows (a prefill's) the GEMM reuses each weight row across many rows and is
+# compute-bound: one call per round after this many bytes written. A ring there sweeps 64 MB of
+# weights at up to 256 rows: 0.52 s against 0.07 for one 1536x576 shape at 200 rows, paid by every
+# new prompt length.
+RACE_RING_MAX_ROWS, RACE_EVICT_BYTES = 64, 64 << 20
 # A race whose threads spent more than this share of their time waiting for a CPU that other
 # processes held (a compiler, a peer engine starting) holds in this process only: a later load does not trust it from disk and
 # races again. One such race, on an AVX2-only EPYC while llama.cpp compiled, kept F.linear for
@@ -170,17 +175,23 @@ def _race(packed: PackedLinear, rows: int, entrants: tuple[str, ...]) -> Verdict
     with torch.inference_mode():
         for kind in entrants:  # not counted: first-call costs (the packing itself) are not the kernel's speed
             _time(kind, run[kind], x)
-        # a sweep over a ring of copies, as a decode step streams the weights
-        ring_bytes = min(RACE_RING_BYTES, packed.model_bytes or RACE_RING_BYTES)
-        ring = [weight, *(weight.clone() for _ in range(-(-ring_bytes // _nbytes(weight)) - 1))]
-        packs = [packed._pack(), *map(packed.pack, ring[1:])] if PACKED in entrants else []
-        sweeps = {kind: lambda x, fn=run[kind], ring=ring: [fn(x, weight=w) for w in ring] for kind in entrants}
-        if packs:
-            sweeps[PACKED] = lambda x, packs=packs: [packed.compute(x, packed=p) for p in packs]
-        for _ in range(RACE_REPEATS):
-            for kind in entrants:
-                best[kind] = min(best[kind], _time(kind, sweeps[kind], x) / len(ring))
-        del ring, packs, sweeps
+        if rows <= RACE_RING_MAX_ROWS:  # a sweep over a ring of copies, as a decode step streams the weights
+            ring_bytes = min(RACE_RING_BYTES, packed.model_bytes or RACE_RING_BYTES)
+            ring = [weight, *(weight.clone() for _ in range(-(-ring_bytes // _nbytes(weight)) - 1))]
+            packs = [packed._pack(), *map(packed.pack, ring[1:])] if PACKED in entrants else []
+            sweeps = {kind: lambda x, fn=run[kind], ring=ring: [fn(x, weight=w) for w in ring] for kind in entrants}
+            if packs:
+                sweeps[PACKED] = lambda x, packs=packs: [packed.compute(x, packed=p) for p in packs]
+            for _ in range(RACE_REPEATS):
+                for kind in entrants:
+                    best[kind] = min(best[kind], _time(kind, sweeps[kind], x) / len(ring))
+            del ring, packs, sweeps
+        else:  # a prefill's rows: compute-bound, one call after the weight left the caches
+            evict = torch.empty(RACE_EVICT_BYTES // 4)
+            for _ in range(RACE_REPEATS):
+                for kind in entrants:
+                    evict.fill_(1.0)
+                    best[kind] = min(best[kind], _time(kind, run[kind], x))
     winner = min(entrants, key=best.__getitem__)
     ms = {k: round(t * 1e3, 4) for k, t in best.items()}
     waited = _waited_share(start)
