@@ -222,7 +222,8 @@ class DecodeLayers:
 class _Watched:
     """What `_current` compares, as flat lists the comparisons map over in C: each watched module's
     `__dict__` and the `forward` it held, each parameter's dict, name, tensor (or None) and, for the
-    tensors, their addresses, and each projection's route dict and the key of its one-row route."""
+    tensors, their addresses, and (where the plan binds routes) each projection's route dict, the key
+    it looks up and the `route` it must still give."""
 
     def __init__(self, seen: tuple[list, list, list], route: str) -> None:
         forwards, params, routes = seen
@@ -241,7 +242,7 @@ _data_ptr = torch.Tensor.data_ptr
 
 def _current(plan: tuple) -> bool:
     """Is every tensor and forward the plan looked at still the one it found, at the same address,
-    and (where the plan binds them) every projection still routed to the one-row kernel? Asked
+    and (where the plan binds them) every projection still on the route it bound (the one-row kernel)? Asked
     every step (~1,000 comparisons for a 30-layer model): maps over flat lists, 0.19 ms a step as
     Python loops."""
     w: _Watched = plan[4]

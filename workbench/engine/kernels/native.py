@@ -149,8 +149,8 @@ def _load_c() -> ctypes.CDLL | None:
     rope.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
     kv_write = lib.wb_kv_write
     kv_write.restype = ctypes.c_int
-    kv_write.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    kv_write.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64] + \
+        [ctypes.c_void_p] * 2 + [ctypes.c_int64]
     layers = lib.wb_decode_layers
     layers.restype = ctypes.c_int
     layers.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3

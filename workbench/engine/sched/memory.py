@@ -127,7 +127,7 @@ class KVPool:
                 and k.is_cpu and v.is_cpu and loc.is_cpu and k.is_contiguous() and v.is_contiguous() \
                 and loc.is_contiguous() \
                 and lib.wb_kv_write(pk.data_ptr(), pv.data_ptr(), pk.shape[0], loc.data_ptr(), loc.shape[0],
-                                    k.data_ptr(), self._row_bytes, v.data_ptr(), self._row_bytes, self._row_bytes) == 0:
+                                    k.data_ptr(), v.data_ptr(), self._row_bytes) == 0:
             return
         # index_copy_ is ~50x cheaper than `buf[loc] = k` (advanced-index assignment) on CPU.
         pk.index_copy_(0, loc, k)

@@ -127,6 +127,8 @@ int wb_decode_layers(const wb_layer *layers, int64_t count, const wb_shape *s, f
  */
 int wb_linear_rows(const float *X, const float *W, const float *bias, float *Y, int64_t R, int64_t N,
                    int64_t K, int64_t KC, int bias_first, int num_threads);
+int wb_kv_write(char *k_pool, char *v_pool, int64_t slots, const int64_t *loc, int64_t n, const char *k,
+                const char *v, int64_t row);
 int wb_decode_attention(const float *q, const float *k, const float *v, const int64_t *idx,
                         int64_t idx_stride, const int64_t *lens, float *out, int64_t B, int64_t H,
                         int64_t KVH, int64_t D, float scale, int num_threads, int64_t num_slots,
@@ -168,8 +170,6 @@ int wb_decode_layers_rows(const wb_layer_rows *layers, int64_t count, const wb_s
                           float *pending, const float *cos_, const float *sin_, const int64_t *loc,
                           const int64_t *kv_idx, int64_t idx_stride, const int64_t *lens) {
     const int64_t H = s->hidden, d = s->head_dim, qd = s->heads * d, kvd = s->kv_heads * d, I = s->inter;
-    for (int64_t r = 0; r < R; r++)
-        if (loc[r] < 0 || loc[r] >= s->slots) return -2;
     int rc;
     for (int64_t i = 0; i < count; i++) {
         const wb_layer_rows *l = layers + i;
@@ -179,10 +179,9 @@ int wb_decode_layers_rows(const wb_layer_rows *layers, int64_t count, const wb_s
         if ((rc = rows_linear(s->x, l->wk, l->bk, s->k, R, kvd, H, l->k, s->threads))) return rc;
         if ((rc = rows_linear(s->x, l->wv, l->bv, s->v, R, kvd, H, l->v, s->threads))) return rc;
         if ((rc = wb_rope(s->q, s->k, qd, kvd, cos_, sin_, s->qr, s->kr, R, s->heads, s->kv_heads, d))) return rc;
-        for (int64_t r = 0; r < R; r++) {
-            memcpy(l->k_pool + loc[r] * kvd, s->kr + r * kvd, (size_t)kvd * sizeof(float));
-            memcpy(l->v_pool + loc[r] * kvd, s->v + r * kvd, (size_t)kvd * sizeof(float));
-        }
+        if (wb_kv_write((char *)l->k_pool, (char *)l->v_pool, s->slots, loc, R, (const char *)s->kr,
+                        (const char *)s->v, kvd * (int64_t)sizeof(float)))
+            return -2; /* a slot outside the pool: found at the first layer, before any pool is written */
         if ((rc = wb_decode_attention(s->qr, l->k_pool, l->v_pool, kv_idx, idx_stride, lens, s->attn, R, s->heads,
                                       s->kv_heads, d, l->scale, s->threads, s->slots, 0, 0.0f, NULL)))
             return rc;

@@ -343,17 +343,17 @@ int wb_log_softmax(const float *x, int64_t rows, int64_t n, int64_t stride, int 
     return failed;
 }
 
-/* A step's KV write: `n` rows of K and of V (`row` bytes each, rows `k_stride` / `v_stride` bytes
- * apart in the sources) copied into rows `loc` of pools `slots` rows long; what
- * `pool.index_copy_(0, loc, src)` does, without its dispatch (20-50 us a call, two calls a layer).
- * Returns -1, having copied nothing, where a slot is outside the pool. */
+/* A step's KV write: `n` contiguous rows of K and of V (`row` bytes each) copied into rows `loc` of
+ * pools `slots` rows long; what `pool.index_copy_(0, loc, src)` does, without its dispatch (20-50 us
+ * a call, two calls a layer). Also the KV write of decode_layers.c's rows call. Returns -1, having
+ * copied nothing, where a slot is outside the pool. */
 int wb_kv_write(char *k_pool, char *v_pool, int64_t slots, const int64_t *loc, int64_t n, const char *k,
-                int64_t k_stride, const char *v, int64_t v_stride, int64_t row) {
+                const char *v, int64_t row) {
     for (int64_t i = 0; i < n; i++)
         if (loc[i] < 0 || loc[i] >= slots) return -1;
     for (int64_t i = 0; i < n; i++) {
-        memcpy(k_pool + loc[i] * row, k + i * k_stride, (size_t)row);
-        memcpy(v_pool + loc[i] * row, v + i * v_stride, (size_t)row);
+        memcpy(k_pool + loc[i] * row, k + i * row, (size_t)row);
+        memcpy(v_pool + loc[i] * row, v + i * row, (size_t)row);
     }
     return 0;
 }
