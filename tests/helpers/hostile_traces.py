@@ -69,8 +69,9 @@ HOSTILE: dict[str, tuple[Craft, str | None]] = {
                                                       params=(_nested(10_000),)), DEPTH),
     "a 3 MB prompt": (_sql(f"UPDATE events SET payload = json_set(payload, '$.prompt', ?) WHERE id = {ADDED}",
                            params=("p" * LONG + "\n\x01" * 100,)), None),
-    "a 3 MB token text": (_sql(f"UPDATE events SET payload = json_set(payload, '$.text', ?) WHERE id = {FIRST_TOKEN}",
-                               params=("t" * LONG + "\n\x01" * 100,)), None),
+    "a 3 MB token text": (_sql(f"UPDATE events SET payload = CASE WHEN req_id IS NULL "  # a run row (format.py)
+                               f"THEN json_set(payload, '$.\"@rows\"[0].p.text', ?1) ELSE json_set(payload, '$.text', ?1) "
+                               f"END WHERE id = {FIRST_TOKEN}", params=("t" * LONG + "\n\x01" * 100,)), None),
     "params nested 40 deep": (_sql(f"UPDATE events SET payload = json_set(payload, '$.params.deep', json(?)) WHERE id = {ADDED}",
                                    params=(_nested(40),)), None),
 }

@@ -47,25 +47,41 @@ def truncate(frac: float) -> Damage:
     return damage
 
 
-TOKEN = "UPDATE events SET payload = json_set(payload, {}) WHERE id = (SELECT min(id) FROM events WHERE kind = 'token')"
+def row(n: int) -> str:
+    """The id of the file's `n`-th events row (from 0): a row holds one event or a run of them."""
+    return f"(SELECT id FROM events ORDER BY id LIMIT 1 OFFSET {n})"
+
+
+def token_field(field: str, value: str) -> Damage:
+    """Set `field` of the first token event's payload to the SQL `value`, in a row of its own or as
+    the first member of a run row (format.py)."""
+    return sql(f"UPDATE events SET payload = CASE WHEN req_id IS NULL "
+               f"THEN json_set(payload, '$.\"@rows\"[0].p.{field}', {value}) "
+               f"ELSE json_set(payload, '$.{field}', {value}) END "
+               f"WHERE id = (SELECT min(id) FROM events WHERE kind = 'token')")
+
+
 DAMAGES: dict[str, Damage] = {
     "bit-flipped page": flip_page,
     "bit-flipped page (middle)": flip_bytes(0.5, 3000), "bit-flipped page (end)": flip_bytes(0.9, 3000),
     "zeroed page": flip_bytes(0.6, 4096, 0), "truncated to half": truncate(0.5), "truncated to 90%": truncate(0.9),
-    "payload not JSON": sql("UPDATE events SET payload = '{not json' WHERE id = 5"),
-    "payload not an object": sql("UPDATE events SET payload = '[1, 2]' WHERE id = 5"),
-    "payload a number": sql("UPDATE events SET payload = '7' WHERE id = 6"),
-    "payload empty": sql("UPDATE events SET payload = '' WHERE id = 7"),
-    "payload unknown field": sql("UPDATE events SET payload = json_set(payload, '$.zzz', 1) WHERE id = 8"),
-    "unknown event kind": sql("UPDATE events SET kind = 'mystery' WHERE id = 5"),
-    "token position a string": sql(TOKEN.format("'$.position', 'x'")),
-    "token id a string": sql(TOKEN.format("'$.token_id', '7'")),
-    "token logprob a list": sql(TOKEN.format("'$.logprob', json('[1]')")),
-    "token top_logprobs a dict": sql(TOKEN.format("'$.top_logprobs', json('{}')")),
+    "payload not JSON": sql(f"UPDATE events SET payload = '{{not json' WHERE id = {row(4)}"),
+    "payload not an object": sql(f"UPDATE events SET payload = '[1, 2]' WHERE id = {row(4)}"),
+    "payload a number": sql(f"UPDATE events SET payload = '7' WHERE id = {row(5)}"),
+    "payload empty": sql(f"UPDATE events SET payload = '' WHERE id = {row(6)}"),
+    "payload unknown field": sql(f"UPDATE events SET payload = json_set(payload, '$.zzz', 1) WHERE id = {row(7)}"),
+    "unknown event kind": sql(f"UPDATE events SET kind = 'mystery' WHERE id = {row(4)}"),
+    "token position a string": token_field("position", "'x'"),
+    "token id a string": token_field("token_id", "'7'"),
+    "token logprob a list": token_field("logprob", "json('[1]')"),
+    "token top_logprobs a dict": token_field("top_logprobs", "json('{}')"),
+    "run member without a request": sql("UPDATE events SET payload = json_set(payload, '$.\"@rows\"[0].r', 5) "
+                                        "WHERE id = (SELECT min(id) FROM events WHERE req_id IS NULL "
+                                        "AND payload LIKE '{\"@rows\":%')"),
     "request prompt_ids strings": sql("UPDATE events SET payload = json_set(payload, '$.prompt_ids', "
                                       "json('[\"a\"]')) WHERE kind = 'request.added'"),
-    "req_id a number": sql("UPDATE events SET req_id = 5 WHERE id = 9"),
-    "step not a number": sql("UPDATE events SET step = 'x' WHERE id = 9"),
+    "req_id a number": sql(f"UPDATE events SET req_id = 5 WHERE id = {row(8)}"),
+    "step not a number": sql(f"UPDATE events SET step = 'x' WHERE id = {row(8)}"),
     "model meta a string": sql("UPDATE meta SET value = '\"tiny-random\"' WHERE key = 'model'"),
     "engine meta a list": sql("UPDATE meta SET value = '[1]' WHERE key = 'engine'"),
     "meta value not JSON": sql("UPDATE meta SET value = '{' WHERE key = 'engine'"),

@@ -32,7 +32,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 DAMAGES = {name: ALL_DAMAGES[name] for name in (
     "bit-flipped page", "payload not JSON", "payload not an object", "unknown event kind", "token position a string",
     "token id a string", "token logprob a list", "model meta a string", "engine meta a list",
-    "step req_ids not JSON")}
+    "step req_ids not JSON", "run member without a request")}
 
 
 @pytest.fixture(params=list(DAMAGES), scope="module")

@@ -334,3 +334,40 @@ def test_a_verify_step_counts_requests_not_packed_rows(tmp_path: Path) -> None:
         w.write(ev.ForwardDone(step=1, t=1.1, forward_mode="TARGET_VERIFY", batch_size=6, num_tokens=6))
     (step,) = open_trace(path).steps()
     assert (step.batch_size, step.num_tokens, step.req_ids) == (2, 6, ("a", "b"))
+
+
+def test_a_batch_steps_events_share_rows_and_read_back_one_by_one(tmp_path: Path) -> None:
+    """A traced batch writes each decode step's events of one kind (every row's logits, token,
+    detok ...) as one row; the reader gives back exactly the events the engine emitted, in its
+    order, and finds one request's events, a limit's worth of them and a frame's rows."""
+    from workbench.engine.engine import Engine
+    from workbench.engine.sample.sampling_params import SamplingParams
+    from workbench.trace.recorder import MemorySink
+
+    path, memory = tmp_path / "batch.wbtrace", MemorySink()
+    with Engine("tiny-random", trace=str(path), trace_level="summary", trace_sinks=[memory]) as engine:
+        engine.generate(["one", "two two", "three three three"],
+                        SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True, logprobs=True))
+    emitted = memory.events
+    with sqlite3.connect(path) as db:
+        rows = db.execute("SELECT count(*) FROM events").fetchone()[0]
+        runs = db.execute("SELECT count(*) FROM events WHERE req_id IS NULL AND payload LIKE '{\"@rows\":%'").fetchone()[0]
+    assert runs and rows < len(emitted) * 2 // 3, (rows, runs, len(emitted))
+    with open_trace(path) as trace:
+        assert list(trace.events()) == emitted and trace.num_events == len(emitted)
+        for step in {e.step for e in emitted}:
+            assert trace.step(step) == [e for e in emitted if e.step == step]
+        for rid in ("req-0", "req-1", "req-2"):
+            mine = [e for e in emitted if e.req_id == rid]
+            assert len(mine) > 20 and list(trace.events(req_id=rid)) == mine
+            tokens = [e for e in mine if e.kind == "token"]
+            assert list(trace.events(kind="token", req_id=rid, limit=3)) == tokens[:3]
+            assert trace.timeline(rid).events == mine
+        assert list(trace.events(kind="detok", limit=4)) == [e for e in emitted if e.kind == "detok"][:4]
+        frame = trace.tokens_frame()
+        tokens = [e for e in emitted if e.kind == "token"]
+        assert frame["req_id"].tolist() == [e.req_id for e in tokens]
+        assert frame["token_id"].tolist() == [e.token_id for e in tokens]
+        ids = trace.events_frame(kind="logits")["id"].tolist()
+        assert len(ids) == len(set(ids)) == sum(e.kind == "logits" for e in emitted)
+        assert list(trace.follow(from_start=True, idle_timeout=0)) == emitted

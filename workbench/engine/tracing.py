@@ -13,10 +13,11 @@ builds the `Tracer` with its sinks).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -92,6 +93,7 @@ class TraceObserver:
         self.allocator = allocator
         self.token_text = token_text
         self.trace_topk = topk
+        self._held: list[ev.Event] | None = None  # what `by_kind` holds back
 
     @property
     def on(self) -> bool:
@@ -103,7 +105,29 @@ class TraceObserver:
         return self.trace_topk if self.tracer.on else 0
 
     def emit(self, event: ev.Event) -> None:
-        self.tracer.emit(event)
+        if self._held is not None:
+            self._held.append(event)
+        else:
+            self.tracer.emit(event)
+
+    @contextlib.contextmanager
+    def by_kind(self, order: tuple[str, ...]) -> Iterator[None]:
+        """Hold back what is emitted inside, then emit it kind by kind: the kinds of `order` in that
+        order, any other kind after them, each kind in emission order. A writer stores a run of one
+        kind as one row (trace/format.py). The caller makes sure each request's own events keep
+        their order (every request's events inside come in `order`, then the rest)."""
+        if not self.tracer.on or self._held is not None:
+            yield
+            return
+        held = self._held = []
+        try:
+            yield
+        finally:
+            self._held = None
+            rank = {kind: i for i, kind in enumerate(order)}
+            held.sort(key=lambda e: rank.get(e.kind, len(order)))  # stable: each kind keeps its order
+            for event in held:
+                self.tracer.emit(event)
 
     # --- admission -----------------------------------------------------------------------
 
@@ -193,22 +217,27 @@ class TraceObserver:
             entropy = (-torch.special.xlogy(probs, probs).sum(-1)).cpu().tolist()
         full = logits.float().cpu().numpy() if self.tracer.full else None
         text = self.token_text
-        for i, req in enumerate(reqs):
-            position = len(req.output_ids)  # the token these logits choose (appended after this call)
+        # kind by kind (every row's logits, then every row's stages, then every row's token): a
+        # writer stores each such run as one row (trace/format.py); each request's order is kept
+        positions = [len(req.output_ids) for req in reqs]  # the token these logits choose (appended after this call)
+        emit = self.emit
+        for i, (req, position) in enumerate(zip(reqs, positions)):
             tensor_name = None
             if full is not None:
                 tensor_name = f"logits/{step}/{req.req_id}/{position}"
                 self.tracer.tensor(tensor_name, step, req.req_id, full[i])
-            self.emit(ev.Logits(step=step, req_id=req.req_id, t=t, position=position, top_ids=top_ids[i],
-                                top_logits=top_vals[i], entropy=entropy[i], tensor=tensor_name))
-            if sample.stages is not None:
-                self.emit(ev.SamplingStages(
+            emit(ev.Logits(step=step, req_id=req.req_id, t=t, position=position, top_ids=top_ids[i],
+                           top_logits=top_vals[i], entropy=entropy[i], tensor=tensor_name))
+        if sample.stages is not None:
+            for i, (req, position) in enumerate(zip(reqs, positions)):
+                emit(ev.SamplingStages(
                     step=step, req_id=req.req_id, t=t, position=position, stages=sample.stages[i],
                     chosen=sample.next_token_ids[i], greedy=req.params.temperature == 0, draw=sample.draws[i],
                     seeded=req.generator is not None))
+        for i, (req, position) in enumerate(zip(reqs, positions)):
             tok = sample.next_token_ids[i]
             tops = [[tid, v, text(tid)] for tid, v in zip(top_ids[i], lp_vals[i])]
-            self.emit(ev.TokenChosen(
+            emit(ev.TokenChosen(
                 step=step, req_id=req.req_id, t=t, position=position, token_id=tok, text=text(tok),
                 logprob=_finite(sample.logprobs[i]), rank=sample.ranks[i], top_logprobs=tops,
                 source="forced" if i in sample.forced else "sample"))

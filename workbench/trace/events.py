@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 # 2: a sampling stage that changed nothing is stored as {"name", "applied": false, "repeat": true}
-SCHEMA_VERSION = 2
+# 3: a run of one step's events of one kind about different requests may share one row (format.py)
+SCHEMA_VERSION = 3
 
 # Trace levels. `off` records nothing and costs nothing; `summary` records every event below;
 # `full` adds full tensors (logits vectors) to the tensors table.

@@ -6,7 +6,14 @@ layout; `reader.Trace` reads it. Does not own what events mean (events.py).
 
 - `meta(key, value)`: JSON values. Always `format` (= "wbtrace"), `schema_version`, `created`,
   `finished` (false until the writer closes); then whatever the engine sets (config, model, ...).
-- `events(id, step, req_id, kind, t, payload)`: one row per event, payload as JSON, in emission order.
+- `events(id, step, req_id, kind, t, payload)`: events as JSON, in emission order. A row holds one
+  event, or a run of consecutive events of one step and kind about different requests (a decode
+  step's `logits`, `token`, `detok` ... of every row of its batch): then `req_id` is NULL, `payload`
+  is `{"@rows": [{"r": req_id, "t": t, "p": payload}, ...]}` and the run's events take the ids
+  `id - n + 1` through `id`. Ids stay dense, so `max(id)` counts the events; one row per run
+  instead of per event is most of what a trace writer saves at large batches.
+- `members(req_id, step)`: the requests that have events inside a run row of that step, so a
+  request's events are found by index.
 - `steps(step, mode, batch_size, num_tokens, ...)`: one summary row per step, kept in the same
   transaction as its events, so a committed file is always self-consistent.
 - `tensors(name, step, req_id, data)`: safetensors bytes (one array under the key "data"). Never pickle.
@@ -37,6 +44,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 FORMAT = "wbtrace"
+GROUP_KEY = "@rows"  # the payload key of a row holding a run of events (no event field has this name)
+GROUP_PREFIX = '{"' + GROUP_KEY + '":'  # how such a row's JSON text starts
 SQLITE_MAGIC = b"SQLite format 3\x00"
 APPLICATION_ID = 0x57425452  # "WBTR": lets tools recognise the file from its SQLite header
 
@@ -51,6 +60,8 @@ CREATE TABLE IF NOT EXISTS steps(
     t_start REAL, t_end REAL, first_id INTEGER, last_id INTEGER, num_events INTEGER,
     spec_proposed INTEGER, spec_accepted INTEGER);
 CREATE TABLE IF NOT EXISTS tensors(name TEXT PRIMARY KEY, step INTEGER, req_id TEXT, data BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS members(req_id TEXT NOT NULL, step INTEGER NOT NULL, PRIMARY KEY(req_id, step))
+    WITHOUT ROWID;
 """
 _INDEXES = """
 CREATE INDEX IF NOT EXISTS events_step ON events(step);
@@ -202,8 +213,12 @@ def file_problem(path: str) -> str | None:
 
 
 def events_sql(columns: str, kind: str | Sequence[str] | None, req_id: str | None,
-               step_range: tuple[int, int] | None, limit: int | None) -> tuple[str, list[Any]]:
-    """SQL for the event filters, ordered (step, id) so that each index also gives the order."""
+               step_range: tuple[int, int] | None, limit: int | None, runs: bool = False) -> tuple[str, list[Any]]:
+    """SQL for the event filters, ordered (step, id) so that each index also gives the order.
+
+    `runs`: the file may hold rows of several requests' events (schema 3); with `req_id` the rows
+    of the steps `members` lists for it are selected too, and the caller keeps that request's
+    events from them and applies `limit` itself (it is left out of the SQL)."""
     where, params = [], []
     # With a request given, its index (a few hundred rows) beats the kind index (a share of all
     # rows): `+kind` keeps SQLite's planner off the kind index.
@@ -213,7 +228,10 @@ def events_sql(columns: str, kind: str | Sequence[str] | None, req_id: str | Non
     elif kind is not None:
         kinds = list(kind)
         where, params = [f"{col} IN ({', '.join('?' * len(kinds))})"], kinds
-    if req_id is not None:
+    if req_id is not None and runs:
+        where.append("(req_id = ? OR (req_id IS NULL AND step IN (SELECT step FROM members WHERE req_id = ?)))")
+        params += [req_id, req_id]
+    elif req_id is not None:
         where.append("req_id = ?")
         params.append(req_id)
     if step_range is not None:
@@ -222,7 +240,7 @@ def events_sql(columns: str, kind: str | Sequence[str] | None, req_id: str | Non
         params += [int(lo), int(hi)]
     sql = f"SELECT {columns} FROM events" + (" WHERE " + " AND ".join(where) if where else "")
     sql += " ORDER BY step, id"
-    if limit is not None:
+    if limit is not None and not (runs and req_id is not None):
         sql += " LIMIT ?"
         params.append(int(limit))
     return sql, params

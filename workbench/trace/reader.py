@@ -8,6 +8,7 @@ that is still being written. Never writes: the file is opened read-only. Does no
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sqlite3
@@ -27,7 +28,15 @@ from workbench.trace.events import (
     TokenChosen,
     event_from_json,
 )
-from workbench.trace.format import FORMAT, STEP_COLUMNS, events_sql, field_type_problem, file_problem
+from workbench.trace.format import (
+    FORMAT,
+    GROUP_KEY,
+    GROUP_PREFIX,
+    STEP_COLUMNS,
+    events_sql,
+    field_type_problem,
+    file_problem,
+)
 from workbench.trace.inside import InsideReader
 from workbench.trace.limits import LimitError, ReadBudget, ReadLimits, json_depth_over, parse_json
 from workbench.trace.records import RequestInfo, StepInfo, Timeline, TraceError, _is_version, _step_info
@@ -83,6 +92,8 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
         try:
             self.meta: dict[str, Any] = self._load_meta()
             self.schema_version: int = self._check_meta()
+            # rows holding a run of several requests' events (format.py), from schema 3 on
+            self._runs = self.schema_version >= 3
             self._last_id = self._query_one("SELECT coalesce(max(id), 0) FROM events")
         except BaseException:
             self._conn.close()
@@ -181,7 +192,10 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
 
     def _event(self, row: tuple[Any, ...]) -> Event:
         event_id, step, req_id, kind, t, payload = row
-        obj = {"kind": kind, "step": step, "req_id": req_id, "t": t, "payload": self._payload(event_id, payload)}
+        return self._make_event(event_id, step, req_id, kind, t, self._payload(event_id, payload))
+
+    def _make_event(self, event_id: int, step: Any, req_id: Any, kind: Any, t: Any, payload: dict[str, Any]) -> Event:
+        obj = {"kind": kind, "step": step, "req_id": req_id, "t": t, "payload": payload}
         try:
             event = event_from_json(obj)
         except Exception as exc:  # a damaged payload may break an event's own expansion in any way
@@ -190,6 +204,30 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
         if problem is not None or not (req_id is None or isinstance(req_id, str)):
             raise TraceError(f"{self.name}: corrupt event #{event_id} ({kind} {problem or 'req_id is not a string'})")
         return event
+
+    def _is_run(self, row: tuple[Any, ...]) -> bool:
+        return self._runs and row[2] is None and isinstance(row[5], str) and row[5].startswith(GROUP_PREFIX)
+
+    def _run(self, event_id: Any, payload: dict[str, Any]) -> list[tuple[int, str, Any, dict[str, Any]]]:
+        """The (id, req_id, t, payload) of each event of a run row (format.py), checked."""
+        members = payload.get(GROUP_KEY)
+        if len(payload) != 1 or not isinstance(members, list) or not members or not isinstance(event_id, int):
+            raise TraceError(f"{self.name}: corrupt event #{event_id} (a malformed run of events)")
+        out = []
+        for i, m in enumerate(members, start=event_id - len(members) + 1):
+            if not (isinstance(m, dict) and len(m) == 3 and isinstance(m.get("r"), str)
+                    and isinstance(m.get("t"), (int, float)) and isinstance(m.get("p"), dict)):
+                raise TraceError(f"{self.name}: corrupt event #{i} (a malformed member of a run of events)")
+            out.append((i, m["r"], m["t"], m["p"]))
+        return out
+
+    def _events_of(self, row: tuple[Any, ...], req_id: str | None = None) -> list[Event]:
+        """The events a row holds (one, or a run's), those of `req_id` only when it is given."""
+        if not self._is_run(row):
+            return [self._event(row)] if req_id is None or row[2] == req_id else []
+        event_id, step, _, kind, _, text = row
+        return [self._make_event(i, step, r, kind, t, p) for i, r, t, p in self._run(event_id, self._payload(event_id, text))
+                if req_id is None or r == req_id]
 
     def _payload(self, event_id: int, text: Any) -> dict[str, Any]:
         try:
@@ -248,7 +286,7 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
         what = f"step {int(n)}'s events"
         rows = self._iter_rows(f"SELECT {_EVENT_COLUMNS} FROM events WHERE step = ? ORDER BY id", (int(n),), what,
                                budget if budget is not None else self.budget(what))
-        return [self._event(row) for row in rows]
+        return [e for row in rows for e in self._events_of(row)]
 
     # --- events ----------------------------------------------------------------------------------
 
@@ -261,8 +299,10 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
         through b inclusive; `limit`: at most this many. Rows are read in chunks of bounded size as
         you iterate; a caller that keeps them passes a `budget` (see `budget()`).
         """
-        sql, params = events_sql(_EVENT_COLUMNS, kind, req_id, step_range, limit)
-        return (self._event(row) for row in self._iter_rows(sql, params, "an event's payload", budget))
+        sql, params = events_sql(_EVENT_COLUMNS, kind, req_id, step_range, limit, self._runs)
+        found = (e for row in self._iter_rows(sql, params, "an event's payload", budget)
+                 for e in self._events_of(row, req_id))
+        return itertools.islice(found, limit) if limit is not None else found
 
     def requests(self) -> list[RequestInfo]:
         """Every request that was added, in arrival order, with its finish record when it has one."""
@@ -332,8 +372,8 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
             return frame.astype({"position": "Int64", "step": "int64", "token_id": "Int64", "rank": "Int64",
                                  "logprob": "float64", "t": "float64"})
         except Exception:  # pandas/pyarrow raise their own types: find the event and name it
-            for r in rows:
-                self._event(r)
+            for r, p in zip(rows, payloads, strict=True):
+                self._make_event(r[0], r[1], r[2], r[3], r[4], p)
             raise TraceError(f"{self.name}: corrupt token events (a field has the wrong type)") from None
 
     def events_frame(self, kind: str | Sequence[str] | None = None, req_id: str | None = None,
@@ -349,17 +389,36 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
     def _rows_with_payloads(self, kind: str | Sequence[str] | None, req_id: str | None,
                             step_range: tuple[int, int] | None, limit: int | None,
                             ) -> tuple[list[tuple[Any, ...]], list[dict[str, Any]]]:
-        """Matching rows and their parsed payloads (one json.loads for all: 3x faster than per row)."""
-        rows = self._rows(*events_sql(_EVENT_COLUMNS, kind, req_id, step_range, limit), "the events of a frame")
+        """Matching rows and their parsed payloads (one json.loads for all: 3x faster than per row),
+        a run row (format.py) given as one row per event of it, each with its own id, req_id and t."""
+        rows = self._rows(*events_sql(_EVENT_COLUMNS, kind, req_id, step_range, limit, self._runs),
+                          "the events of a frame")
+        payloads: list[dict[str, Any]] | None = None
         try:
             if any(json_depth_over(r[5], self.limits.max_depth) for r in rows):
                 raise ValueError("nested too deep")  # the per-row parse below names the event
-            payloads = json.loads("[" + ",".join(r[5] for r in rows) + "]")
-            if len(payloads) == len(rows) and all(isinstance(p, dict) for p in payloads):
-                return rows, payloads
+            parsed = json.loads("[" + ",".join(r[5] for r in rows) + "]")
+            if len(parsed) == len(rows) and all(isinstance(p, dict) for p in parsed):
+                payloads = parsed
         except (TypeError, ValueError):
             pass
-        return rows, [self._payload(r[0], r[5]) for r in rows]  # names the corrupt event
+        if payloads is None:
+            payloads = [self._payload(r[0], r[5]) for r in rows]  # names the corrupt event
+        if not self._runs:
+            return rows, payloads
+        out_rows, out_payloads = [], []
+        for row, payload in zip(rows, payloads, strict=True):
+            if self._is_run(row):
+                for i, r, t, p in self._run(row[0], payload):
+                    if req_id is None or r == req_id:
+                        out_rows.append((i, row[1], r, row[3], t, row[5]))
+                        out_payloads.append(p)
+            elif req_id is None or row[2] == req_id:
+                out_rows.append(row)
+                out_payloads.append(payload)
+        if limit is not None:
+            out_rows, out_payloads = out_rows[:limit], out_payloads[:limit]
+        return out_rows, out_payloads
 
     # --- live files ------------------------------------------------------------------------------
 
@@ -387,7 +446,7 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
                 last = max(last, rows[-1][0])
                 self._last_id, idle_since = max(self._last_id, last), time.monotonic()
                 self._steps = self._num_steps = None
-                yield from (self._event(row) for row in rows)
+                yield from (e for row in rows for e in self._events_of(row))
                 continue
             finished = self._query_one("SELECT value FROM meta WHERE key = 'finished'")
             if finished == "true":

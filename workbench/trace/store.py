@@ -17,6 +17,7 @@ from typing import Any
 
 from workbench.trace.events import Event
 from workbench.trace.format import (
+    GROUP_KEY,
     STEP_COLUMNS,
     StepSummary,
     create_schema,
@@ -146,14 +147,26 @@ class TraceWriter:
 
     def _commit(self, items: list[tuple[Any, ...]]) -> None:
         rows: list[tuple[Any, ...]] = []
+        members: set[tuple[str, int]] = set()
         touched: dict[int, StepSummary] = {}
         conn, dropped = self._conn, self.dropped
+        run: list[tuple[Event, int, float, dict[str, Any]]] = []  # consecutive events of one step and kind
         conn.execute("BEGIN")
         for item in items:
             try:
                 if item[0] == "event":
-                    rows.append(self._event_row(item[1], touched))
-                elif item[0] == "tensor":
+                    event = item[1]
+                    step, t, payload = self._event_parts(event)
+                    # a run groups only requests' events (a string req_id, as the reader requires)
+                    if run and (type(event.req_id) is not str or type(run[0][0].req_id) is not str
+                                or step != run[0][1] or event.kind != run[0][0].kind):
+                        self._add_run(run, rows, members, touched)
+                        run = []
+                    run.append((event, step, t, payload))
+                    continue
+                self._add_run(run, rows, members, touched)
+                run = []
+                if item[0] == "tensor":
                     _, name, step, req_id, array = item
                     conn.execute("INSERT OR REPLACE INTO tensors VALUES (?, ?, ?, ?)",
                                  (name, step, req_id, tensor_bytes(array)))
@@ -164,29 +177,62 @@ class TraceWriter:
             except sqlite3.Error:
                 raise  # the file itself is failing: stop writing
             except Exception as exc:  # one malformed item is dropped (and counted), never the whole run
-                self.dropped += 1
-                self.last_drop = f"{item[0]} {getattr(item[1], 'kind', item[1])!s:.40}: {exc!s:.200}"
+                self._drop(item[0], getattr(item[1], "kind", item[1]), exc)
+        self._add_run(run, rows, members, touched)
         if rows:
             conn.executemany("INSERT INTO events VALUES (?, ?, ?, ?, ?, ?)", rows)
+            conn.executemany("INSERT OR IGNORE INTO members VALUES (?, ?)", sorted(members))
             upsert_steps(conn, list(touched.values()))
         if self.dropped != dropped:
             note = json_dumps({"count": self.dropped, "last_error": self.last_drop})
             conn.execute("INSERT OR REPLACE INTO meta VALUES ('dropped', ?)", (note,))
         conn.execute("COMMIT")
-        self.num_events += len(rows)
+        self.num_events = self._next_id - 1
         self._forget_old_steps()
 
-    def _event_row(self, event: Event, touched: dict[int, StepSummary]) -> tuple[Any, ...]:
+    def _drop(self, what: str, name: Any, exc: Exception) -> None:
+        self.dropped += 1
+        self.last_drop = f"{what} {name!s:.40}: {exc!s:.200}"
+
+    @staticmethod
+    def _event_parts(event: Event) -> tuple[int, float, dict[str, Any]]:
+        """(step, t, payload) of an event as stored; ValueError for a step SQLite cannot hold."""
         step, t, payload = int(event.step), float(event.t), event.payload()
         if not -(2**63) <= step < 2**63:
             raise ValueError(f"step {step} does not fit in 64 bits")
-        t = 0.0 if t != t else t  # SQLite would store NaN as NULL
-        text = json_dumps(payload)
-        summary = self._summary(step)
-        summary.add(self._next_id, event.kind, t, payload, event.req_id)
-        touched[step] = summary
-        event_id, self._next_id = self._next_id, self._next_id + 1
-        return (event_id, step, event.req_id, event.kind, t, text)
+        return step, (0.0 if t != t else t), payload  # SQLite would store NaN as NULL
+
+    def _add_run(self, run: list[tuple[Event, int, float, dict[str, Any]]], rows: list[tuple[Any, ...]],
+                 members: set[tuple[str, int]], touched: dict[int, StepSummary]) -> None:
+        """Rows for a run of consecutive events of one step and kind: one row for a run of several
+        requests' events (format.GROUP_KEY), else one row per event. A run that will not encode as
+        one row is written event by event, so a malformed event costs only itself."""
+        if len(run) > 1:
+            step, kind, first = run[0][1], run[0][0].kind, self._next_id
+            try:
+                text = json_dumps({GROUP_KEY: [{"r": e.req_id, "t": t, "p": p} for e, _, t, p in run]})
+                summary = self._summary(step)
+                for e, _, t, p in run:
+                    summary.add(self._next_id, kind, t, p, e.req_id)
+                    self._next_id += 1
+            except Exception:
+                self._next_id = first
+            else:
+                members.update((e.req_id, step) for e, *_ in run)
+                touched[step] = summary
+                rows.append((self._next_id - 1, step, None, kind, run[0][2], text))
+                return
+        for e, step, t, p in run:
+            try:
+                text = json_dumps(p)
+                summary = self._summary(step)
+                summary.add(self._next_id, e.kind, t, p, e.req_id)
+            except Exception as exc:
+                self._drop("event", e.kind, exc)
+                continue
+            touched[step] = summary
+            rows.append((self._next_id, step, e.req_id, e.kind, t, text))
+            self._next_id += 1
 
     def _summary(self, step: int) -> StepSummary:
         if step not in self._steps:

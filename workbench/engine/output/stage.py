@@ -10,6 +10,7 @@ detokenizer.py) or what releasing KV means (the scheduler's, called through `rel
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +53,14 @@ class OutputStage:
         The new tokens are already appended to each request's output; they go through the checks one
         at a time, and a finish on one of them drops the ones after it (speculative runs).
         """
+        # one token a request (plain decoding): the trace gets every request's detok, then finish,
+        # then step stamp, kind by kind (one row each in a trace file); a speculative run's tokens
+        # keep their detok, finish, detok, ... order
+        single = all(len(item.token_ids) == 1 for item in new)
+        with ctx.obs.by_kind(("detok", "finish", "stamp")) if single else contextlib.nullcontext():
+            return self._process(ctx, new)
+
+    def _process(self, ctx: StepContext, new: list[NewTokens]) -> list[StepOutput]:
         results = []
         for item in new:
             req = item.req
