@@ -24,7 +24,8 @@ ON_DISK = {name for name, r in REGISTRY.items() if r.on_disk != "none"}
 NATIVE = {name for name, r in REGISTRY.items() if r.native}
 
 # a batch (several decode rows), then one row; sampled with logprobs (the draw and the rank count),
-# traced at summary (the recorded top-k and entropy), then one greedy row (the argmax)
+# traced at summary (the recorded top-k and entropy), then one greedy row under a repetition penalty
+# (the argmax of the processed logits: a traced row's raw argmax comes from the log-softmax pass)
 ENGINE = """
 import json, sys
 from workbench.engine.engine import Engine
@@ -35,7 +36,7 @@ with Engine(load_model(sys.argv[1], device="cpu"), trace_level="summary") as eng
     params = SamplingParams(temperature=0.8, max_new_tokens=4, logprobs=True, seed=3, ignore_eos=True)
     engine.generate(["a b c", "hello there", "one two three four"], params)
     engine.generate(["x"], params)
-    engine.generate(["y z"], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
+    engine.generate(["y z"], SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True, repetition_penalty=1.2))
     print(json.dumps(engine.runner.kernel_report()))
 """
 

@@ -201,22 +201,12 @@ def test_an_entropy_kernel_in_another_order_is_refused_and_torch_sums(monkeypatc
     assert not verdict.ok and "no listed sum order" in verdict.detail
 
 
-@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
-@pytest.mark.parametrize("rows, vocab", [(2, 49152), (32, 49152), (3, 151936), (5, 100), (4, 65)])
-def test_the_native_log_softmax_is_torchs_to_the_bit_with_its_argmax_and_record(rows, vocab, monkeypatch):
-    # The sampler's raw logprobs and greedy pick, and the traced record of each row's distribution,
-    # from one native pass per row: every bit as torch.log_softmax, torch.argmax, lp.exp()'s
-    # torch.topk and -(p * lp).sum(-1) give them, on ties and on masked (-inf) logits.
-    checks = Book()
-    monkeypatch.setattr(sample_kernels, "BOOK", checks)
-    gen = torch.Generator().manual_seed(rows * vocab)
-    x = torch.randn(rows, vocab, generator=gen) * torch.rand(rows, 1, generator=gen) * 10 + 7
-    x[0] = (x[0] * 2).round() / 2  # ties for the maximum
-    x[-1, : vocab // 5] = float("-inf")
-    k = 1 if vocab < 320 else 10
+def _same_as_torchs_ops(x: torch.Tensor, k: int) -> None:
+    """sample_kernels.log_softmax(x, out, k) gives torch.log_softmax, torch.argmax, lp.exp()'s
+    torch.topk and -(p * lp).sum(-1), every bit (NaN entropies where torch's are NaN)."""
     out = torch.empty_like(x)
     got = sample_kernels.log_softmax(x, out, k)
-    assert got is not None and checks.tables["sample.log_softmax"][()].ok
+    assert got is not None and sample_kernels.BOOK.tables["sample.log_softmax"][()].ok
     lp = torch.log_softmax(x, dim=-1)
     p = lp.exp()
     values, ids = p.topk(k, dim=-1)
@@ -227,12 +217,76 @@ def test_the_native_log_softmax_is_torchs_to_the_bit_with_its_argmax_and_record(
 
 
 @pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows, vocab", [(2, 49152), (32, 49152), (3, 151936), (5, 100), (4, 65), (1, 49152),
+                                         (1, 151936), (1, 32000), (1, 32769), (1, 1000)])
+def test_the_native_log_softmax_is_torchs_to_the_bit_with_its_argmax_and_record(rows, vocab, threads, monkeypatch):
+    # The sampler's raw logprobs and greedy pick, and the traced record of each row's distribution,
+    # from one native pass per row (one row past torch's 32768 grain cut between the threads):
+    # every bit as torch's ops give them, on ties and on masked (-inf) logits.
+    monkeypatch.setattr(sample_kernels, "BOOK", Book())
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(rows * vocab)
+        x = torch.randn(rows, vocab, generator=gen) * torch.rand(rows, 1, generator=gen) * 10 + 7
+        x[0] = (x[0] * 2).round() / 2  # ties for the maximum
+        x[-1, : vocab // 5] = float("-inf")
+        _same_as_torchs_ops(x, 1 if vocab < 320 else 10)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+@pytest.mark.parametrize("threads", [2, 3])
+def test_one_row_cut_between_threads_merges_to_torchs_top_k_and_entropy(threads, monkeypatch):
+    # One row, its parts on several threads: the maximum tied in every part, a rising row (every
+    # value of the later parts enters their top-k: the log of entrants overflows and the part is
+    # fed again), a falling one, a flat one (ties everywhere), a sharp one.
+    monkeypatch.setattr(sample_kernels, "BOOK", Book())
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(threads)
+        vocab = 151936
+        rows = [torch.randn(vocab, generator=gen).round() * 3, torch.linspace(-40.0, 12.0, vocab),
+                torch.linspace(12.0, -40.0, vocab), torch.full((vocab,), 2.5), torch.randn(vocab, generator=gen) * 40]
+        rows[0][[5, vocab // 2, vocab - 3]] = rows[0].max()
+        for row in rows:
+            for k in (1, 10, 64, 256):
+                _same_as_torchs_ops(row[None].clone(), k)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
+def test_a_one_row_record_summed_in_another_order_is_refused(monkeypatch):
+    # At two threads torch sums one row of 49152 in two chunks; a record summing it in one (the
+    # kernel told of one thread) has other entropy bits: its check refuses it and torch's ops run.
+    monkeypatch.setattr(sample_kernels, "BOOK", Book())
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    real = sample_kernels._unchecked_log_softmax
+    monkeypatch.setattr(sample_kernels, "_unchecked_log_softmax", lambda x, out, lanes, k, elanes, threads, vexp=None:
+                        real(x, out, lanes, k, elanes, 1 if x.shape[0] == 1 else threads, vexp))
+    try:
+        x = torch.randn(1, 49152) * 3
+        assert sample_kernels.log_softmax(x, torch.empty_like(x)) is not None  # the log-softmax itself is the same
+        assert sample_kernels.log_softmax(x, torch.empty_like(x), 10) is None
+        verdict = sample_kernels.BOOK.tables["sample.model_record"][(2,)]
+        assert not verdict.ok and verdict.facts["mismatches"] > 0
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(NO_COMPILER, reason="KERNEL NOT CHECKED: no C compiler on this machine")
 def test_a_nan_batch_and_the_other_vector_width_go_to_torch(monkeypatch):
     checks = Book()
     monkeypatch.setattr(sample_kernels, "BOOK", checks)
     x = torch.randn(4, 49152) * 3
     x[2, 9] = float("nan")
     assert sample_kernels.log_softmax(x, torch.empty_like(x)) is None  # a NaN row: torch's path
+    assert sample_kernels.log_softmax(x[2:3], torch.empty_like(x[2:3]), 10) is None  # and alone
     # the vector width torch does not run here sums in another order: refused, torch's path
     other = 8 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 16
     monkeypatch.setattr(sample_kernels, "BOOK", Book())

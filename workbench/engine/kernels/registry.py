@@ -93,18 +93,21 @@ _ALL = [
     Replacement("sample.log_softmax", "torch.log_softmax of each row of logits (the sampler's raw logprobs) and "
                 "torch.argmax of it (the greedy pick)",
                 "wb_log_softmax (kernels/c/layer_ops.c): ATen's steps per row at its vector width (the maximum, "
-                "SLEEF's exp summed in vec::map_reduce_all's order, SLEEF's log), the argmax from the same maximum",
+                "SLEEF's exp summed in vec::map_reduce_all's order, SLEEF's log), the argmax from the same maximum; "
+                "one row cut between the threads (the exps of its later parts added after the first's, in order)",
                 IDENTICAL, (), MACHINE, ("workbench.engine.kernels.sampling",), native=True, on_disk="none",
-                note="two or more rows, vocabularies of 64 or more; rows with a NaN or an infinite maximum go to "
-                "torch; each width (16 and 8 lanes) tried on 32 probe batches, the first matching all kept (lanes "
-                "in facts); checked in every process"),
+                note="vocabularies of 64 or more; rows with a NaN or an infinite maximum go to torch; each width (16 "
+                "and 8 lanes) tried on 97 probes (32 batches of 4 rows, 65 rows alone), the first matching all kept "
+                "(lanes in facts); checked in every process"),
     Replacement("sample.model_record", "the traced sampler's record of each row's own distribution: lp.exp(), "
                 "torch.topk of it and -(p * lp).sum(-1) (three passes over an [R, V] tensor)",
-                "wb_log_softmax with k (kernels/c/layer_ops.c): in the same pass per row, MKL's vsExp (the exp "
-                "torch.exp runs) into a row that stays in cache, then the sample.topk and sample.entropy kernels on it",
+                "wb_log_softmax with k (kernels/c/layer_ops.c): in the same pass per row, 16384 floats at a time "
+                "while they are in cache, MKL's vmsExp as torch.exp calls it, the sample.topk heap and the "
+                "sample.entropy sum; one row cut between the threads at torch's entropy chunks (the parts' top-k "
+                "merged by replaying each later part's entrants)",
                 IDENTICAL, ("threads",), MACHINE, ("workbench.engine.kernels.sampling",), native=True,
                 on_disk="none", note="where sample.log_softmax, sample.topk and sample.entropy apply; compared on "
-                "the 32 probe batches at each k that applies; checked in every process"),
+                "the 97 probes at each k that applies; checked in every process"),
     Replacement("norm.rms", "transformers' RMSNorm forward (pow, mean, add, rsqrt, two muls) and the residual add "
                 "before it", "one C pass per row (kernels/c/layer_ops.c) in torch's own order for the mean's sum",
                 IDENTICAL, ("class", "hidden", "eps"), MACHINE, ("workbench.engine.kernels.layer_ops",), native=True,

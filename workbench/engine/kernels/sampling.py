@@ -217,15 +217,16 @@ LOG_SOFTMAX_LANES = (16, 8)  # torch's Vectorized<float> width: its AVX512 kerne
 
 def log_softmax(logits: torch.Tensor, out: torch.Tensor,
                 k: int = 0) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] | None:
-    """`torch.log_softmax(logits, dim=-1, out=out)` for `logits [R, V]` (two or more CPU float32
-    rows), with each row's argmax, by one native pass per row (wb_log_softmax, c/layer_ops.c: ATen's
-    own steps, SLEEF's exp and log); with `k` the traced sampler's record of each row's own
-    distribution too, `p = lp.exp()`: `torch.topk(p, k)` and `-(p * lp).sum(-1)`, without the
-    `[R, V]` p. Returns `(argmax [R], (values [R, k], ids [R, k], entropy [R]) or None)`; None where
-    it does not apply (one row, not CPU float32, a vocabulary under 64, k outside the top-k kernel's
-    range, no compiler or no MKL exp), was not found identical on this CPU, or a row holds a NaN or
-    an infinite maximum: the caller runs torch's ops, and nothing was written that it relies on."""
-    if logits.dim() != 2 or logits.shape[0] < 2 or not _rows_ok(logits) or out.shape != logits.shape \
+    """`torch.log_softmax(logits, dim=-1, out=out)` for `logits [R, V]` (CPU float32 rows), with
+    each row's argmax, by one native pass per row (wb_log_softmax, c/layer_ops.c: ATen's own steps,
+    SLEEF's exp and log; one row longer than torch's grain is cut between the threads); with `k` the
+    traced sampler's record of each row's own distribution too, `p = lp.exp()`: `torch.topk(p, k)`
+    and `-(p * lp).sum(-1)`, without the `[R, V]` p. Returns `(argmax [R], (values [R, k], ids [R, k],
+    entropy [R]) or None)`; None where it does not apply (no rows, not CPU float32, a vocabulary under
+    64, k outside the top-k kernel's range, no compiler or no MKL exp), was not found identical on
+    this CPU, or a row holds a NaN or an infinite maximum: the caller runs torch's ops, and nothing
+    was written that it relies on."""
+    if logits.dim() != 2 or logits.shape[0] < 1 or not _rows_ok(logits) or out.shape != logits.shape \
             or not out.is_contiguous() or out.dtype != torch.float32 or not 64 <= logits.shape[1] < 2**31 \
             or load() is None:
         return None
@@ -246,11 +247,16 @@ def log_softmax(logits: torch.Tensor, out: torch.Tensor,
     return _unchecked_log_softmax(logits, out, lanes, k, elanes, threads, vexp)
 
 
+_VEXP: list[int | None] = []  # _vexp's answer, once found
+
+
 def _vexp() -> int | None:
-    """The address of MKL's vsExp in torch's own library (what torch.exp runs on CPU float32)."""
-    lib = mkl()
-    fn = getattr(lib, "vsExp", None) if lib is not None else None
-    return ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None
+    """The address of MKL's vmsExp in torch's own library (what torch.exp runs on CPU float32)."""
+    if not _VEXP:
+        lib = mkl()
+        fn = getattr(lib, "vmsExp", None) if lib is not None else None
+        _VEXP.append(ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None)
+    return _VEXP[0]
 
 
 def _unchecked_log_softmax(logits: torch.Tensor, out: torch.Tensor, lanes: int, k: int, elanes: int, threads: int,
@@ -258,43 +264,49 @@ def _unchecked_log_softmax(logits: torch.Tensor, out: torch.Tensor, lanes: int, 
                            ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] | None:
     rows, vocab = logits.shape
     argmax = torch.empty(rows, dtype=torch.int64)
-    vals = torch.empty(rows, max(k, 1), dtype=torch.float32)
-    ids = torch.empty(rows, max(k, 1), dtype=torch.int64)
-    entropy = torch.empty(rows, dtype=torch.float32)
-    # the record's p, one row a thread (none without a record)
-    scratch = torch.empty(max(threads, 1), vocab, dtype=torch.float32) if k else None
+    record: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    pointers: tuple[int | None, ...] = (None,) * 4
+    if k:
+        record = (torch.empty(rows, k, dtype=torch.float32), torch.empty(rows, k, dtype=torch.int64),
+                  torch.empty(rows, dtype=torch.float32))
+        # the record's p: a piece of a row a thread, or one whole row (a row cut between the threads)
+        scratch = torch.empty(max(threads, 1), vocab, dtype=torch.float32)
+        pointers = (scratch.data_ptr(), *(t.data_ptr() for t in record))
     rc = load().wb_log_softmax(logits.data_ptr(), rows, vocab, logits.stride(0), lanes, out.data_ptr(),
-                               argmax.data_ptr(), k, (vexp or _vexp()) if k else None, elanes,
-                               scratch.data_ptr() if scratch is not None else None,
-                               vals.data_ptr(), ids.data_ptr(), entropy.data_ptr(), threads)
+                               argmax.data_ptr(), k, (vexp or _vexp()) if k else None, elanes, *pointers, threads)
     if rc < 0:
-        raise ValueError(f"wb_log_softmax: lanes {lanes}, k {k} or vocabulary {vocab} out of its range")
+        raise ValueError(f"wb_log_softmax: lanes {lanes}, k {k}, elanes {elanes} or vocabulary {vocab} out of "
+                         "its range")
     if rc:
         return None  # a NaN or an infinite maximum in some row: torch's ops
-    return argmax, ((vals, ids, entropy) if k else None)
+    return argmax, record
 
 
 def _log_softmax_probes() -> list[torch.Tensor]:
     """Seeded logits: vocabularies with and without a tail past whole vectors, sharp and flat rows,
-    large offsets, ties for the maximum, -inf entries (logits a model masked)."""
+    large offsets, ties for the maximum, -inf entries (logits a model masked); each batch of four
+    rows, then rows of them alone (one row longer than torch's grain is cut between the threads, ties
+    for the maximum falling in both parts) and one rising row (each value a new top-k)."""
     gen = torch.Generator().manual_seed(23)
-    probes = []
+    batches = []
     for vocab in (49152, 32000, 151936, 50257, 1000, 64, 65, 100):
         for scale in (0.05, 1.0, 6.0, 40.0):
             x = torch.randn(4, vocab, generator=gen) * scale + torch.randn(4, 1, generator=gen) * 30
             x[1] = (x[1] / 4).round() * 4  # runs of equal values, the maximum among them
             x[2, : vocab // 3] = float("-inf")
-            probes.append(x)
-    return probes
+            batches.append(x)
+    alone = [x[r:r + 1] for x in batches if x.shape[1] > 32768 or x.shape[1] == 1000 for r in range(4)]
+    return batches + alone + [torch.linspace(-30.0, 10.0, 49152)[None]]
 
 
 def _check_log_softmax() -> Verdict:
     """The native log-softmax against torch.log_softmax (every bit) and its argmax against
     torch.argmax, at each vector width of LOG_SOFTMAX_LANES, on the probes; a batch with a NaN
-    must be refused (left to torch). The first width matching all is kept (lanes in facts)."""
+    must be refused (left to torch), and a row with one in its second part. The first width
+    matching all is kept (lanes in facts)."""
     probes = _log_softmax_probes()
-    nan = probes[0].clone()
-    nan[3, 11] = float("nan")
+    nan, nan_row = probes[0].clone(), probes[0][3:].clone()
+    nan[3, 11] = nan_row[0, 40000] = float("nan")
     threads = torch.get_num_threads()
     with torch.inference_mode():
         wants = [(torch.log_softmax(x, dim=-1), x.argmax(dim=-1)) for x in probes]
@@ -306,9 +318,10 @@ def _check_log_softmax() -> Verdict:
                 if got is None or not torch.equal(out, want_lp) or not torch.equal(got[0], want_arg):
                     ok = False
                     break
-            if ok and _unchecked_log_softmax(nan, torch.empty_like(nan), lanes, 0, 1, threads) is None:
+            if ok and all(_unchecked_log_softmax(x, torch.empty_like(x), lanes, 0, 1, threads) is None
+                          for x in (nan, nan_row)):
                 return Verdict(True, f"kernel: torch.log_softmax's bits and torch.argmax on all {len(probes)} probe "
-                               f"batches at {lanes} lanes; a NaN batch left to torch", {"lanes": lanes,
+                               f"batches at {lanes} lanes; NaN batches left to torch", {"lanes": lanes,
                                                                                       "probes": len(probes)})
     return Verdict(False, f"torch: no listed vector width ({', '.join(map(str, LOG_SOFTMAX_LANES))}) gives "
                    "torch.log_softmax's bits on this CPU", {})

@@ -9,6 +9,8 @@
  * - wb_silu_mul: LlamaMLP's act_fn(gate) * up with act_fn SiLU, as torch's vectorized SiLU kernel
  *   computes it: x / (1 + exp(-x)), its exp being SLEEF's expf_u10 (Sleef_expf16_u10 / expf8_u10,
  *   the same steps at either width), then the product rounded.
+ * - wb_entropy and wb_log_softmax: the sampler's -(p * lp).sum(-1), and its log-softmax with each
+ *   row's argmax and the traced record of the row's distribution (kernels/sampling.py).
  *
  * Built with -ffp-contract=off: every product is rounded before it is added, as torch's separate
  * mul and add kernels round it.
@@ -17,7 +19,14 @@
 #include <stdint.h>
 #include <stddef.h>
 #include <string.h>
+#include <stdlib.h>
 #include <omp.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define WB_AVX2 1
+#else
+#define WB_AVX2 0
+#endif
 
 #define ILP 4
 #define LEVELS 4
@@ -33,23 +42,38 @@ static int64_t ceil_log2(int64_t x) {
 /* torch's sum of v[i] = x[i]*y[i] (each product rounded, as a separate mul kernel rounds it) over
  * one row of n floats, as one reduction task sums it (SumKernel's cascade: vectorized_inner_sum ->
  * row_sum -> multi_row_sum), with L floats per vector; each accumulator a vector, so the compiler
- * keeps it in a register. */
+ * keeps it in a register. It runs in pieces, so that a row can be summed as it is computed:
+ * sum_open, sum_feed over consecutive pieces, sum_close. Every piece but the last is sum_piece
+ * floats, a whole number of level blocks (level_step rows of ILP vectors), so the cascade adds and
+ * flushes exactly as in one call. A piece is passed as pointers to its floats and its offset `off`
+ * in the row: element j of the row is x[j - off], y[j - off]. */
+typedef struct {
+    float acc[LEVELS][ILP][16]; /* the cascade's accumulators, vectors of L floats */
+    int64_t n, i;               /* the row's length; the rows of ILP vectors summed so far */
+} sum_state;
+
+static int64_t sum_level_step(int64_t size) {
+    const int64_t level_power = ceil_log2(size) / LEVELS > 4 ? ceil_log2(size) / LEVELS : 4;
+    return (int64_t)1 << level_power;
+}
+
 #define DEFINE_SUM_PRODUCTS(L)                                                                        \
 typedef float vsum##L __attribute__((vector_size(4 * L)));                                           \
-static float torch_sum_products_##L(const float *x, const float *y, int64_t n) {                     \
-    const int64_t vec_size = n / L;          /* whole vectors */                                      \
-    const int64_t size = vec_size / ILP;     /* multi_row_sum's "rows" of ILP vectors each */         \
-    const int64_t level_power = ceil_log2(size) / LEVELS > 4 ? ceil_log2(size) / LEVELS : 4;         \
-    const int64_t level_step = (int64_t)1 << level_power, level_mask = level_step - 1;               \
+/* The rows of ILP vectors from st->i up to the piece's end (all of them where end is the row's). */ \
+static void sum_feed_##L(sum_state *st, const float *x, const float *y, int64_t off, int64_t end) {   \
+    const int64_t size = st->n / L / ILP;    /* multi_row_sum's "rows" of ILP vectors each */         \
+    const int64_t stop = end >= st->n ? size : end / (ILP * L);                                       \
+    const int64_t level_step = sum_level_step(size), level_mask = level_step - 1;                     \
+    const int64_t level_power = __builtin_ctzll((uint64_t)level_step);                                \
     vsum##L acc[LEVELS][ILP];                                                                         \
-    memset(acc, 0, sizeof acc);                                                                       \
-    int64_t i = 0;                                                                                    \
+    memcpy(acc, st->acc, sizeof acc);                                                                 \
+    int64_t i = st->i;                                                                                \
     vsum##L xv, yv;                                                                                   \
-    for (; i + level_step <= size;) {                                                                 \
+    for (; i + level_step <= stop;) {                                                                 \
         for (int64_t j = 0; j < level_step; ++j, ++i)                                                 \
             for (int k = 0; k < ILP; k++) {                                                           \
-                memcpy(&xv, x + (i * ILP + k) * L, sizeof xv);                                        \
-                memcpy(&yv, y + (i * ILP + k) * L, sizeof yv);                                        \
+                memcpy(&xv, x + (i * ILP + k) * L - off, sizeof xv);                                  \
+                memcpy(&yv, y + (i * ILP + k) * L - off, sizeof yv);                                  \
                 acc[0][k] += xv * yv;                                                                 \
             }                                                                                         \
         for (int j = 1; j < LEVELS; ++j) {                                                            \
@@ -57,24 +81,34 @@ static float torch_sum_products_##L(const float *x, const float *y, int64_t n) {
             if ((i & (level_mask << (j * level_power))) != 0) break;                                  \
         }                                                                                             \
     }                                                                                                 \
-    for (; i < size; ++i)                                                                             \
-        for (int k = 0; k < ILP; k++) {                                                               \
-            memcpy(&xv, x + (i * ILP + k) * L, sizeof xv);                                            \
-            memcpy(&yv, y + (i * ILP + k) * L, sizeof yv);                                            \
-            acc[0][k] += xv * yv;                                                                     \
-        }                                                                                             \
+    if (stop == size)                                                                                 \
+        for (; i < size; ++i)                                                                         \
+            for (int k = 0; k < ILP; k++) {                                                           \
+                memcpy(&xv, x + (i * ILP + k) * L - off, sizeof xv);                                  \
+                memcpy(&yv, y + (i * ILP + k) * L - off, sizeof yv);                                  \
+                acc[0][k] += xv * yv;                                                                 \
+            }                                                                                         \
+    memcpy(st->acc, acc, sizeof acc);                                                                 \
+    st->i = i;                                                                                        \
+}                                                                                                     \
+/* The end of the cascade, after the last piece was fed (x, y: that piece). */                        \
+static float sum_close_##L(const sum_state *st, const float *x, const float *y, int64_t off) {        \
+    const int64_t n = st->n, vec_size = n / L, size = vec_size / ILP;                                 \
+    vsum##L acc[LEVELS][ILP];                                                                         \
+    memcpy(acc, st->acc, sizeof acc);                                                                 \
+    vsum##L xv, yv;                                                                                   \
     for (int j = 1; j < LEVELS; ++j)                                                                  \
         for (int k = 0; k < ILP; k++) acc[0][k] += acc[j][k];                                         \
     /* row_sum: the vectors left over after the ILP rows, then the ILP partial sums in turn */       \
     for (int64_t v = size * ILP; v < vec_size; v++) {                                                 \
-        memcpy(&xv, x + v * L, sizeof xv);                                                            \
-        memcpy(&yv, y + v * L, sizeof yv);                                                            \
+        memcpy(&xv, x + v * L - off, sizeof xv);                                                      \
+        memcpy(&yv, y + v * L - off, sizeof yv);                                                      \
         acc[0][0] += xv * yv;                                                                         \
     }                                                                                                 \
     for (int k = 1; k < ILP; k++) acc[0][0] += acc[0][k];                                             \
     /* vectorized_inner_sum: the scalar tail first, then the lanes in order */                        \
     float total = 0.0f;                                                                               \
-    for (int64_t k = vec_size * L; k < n; k++) total += x[k] * y[k];                                  \
+    for (int64_t k = vec_size * L; k < n; k++) total += x[k - off] * y[k - off];                      \
     for (int l = 0; l < L; l++) total += acc[0][0][l];                                                \
     return total;                                                                                     \
 }
@@ -85,11 +119,43 @@ DEFINE_SUM_PRODUCTS(16)
 
 static int lanes_ok(int lanes) { return lanes == 1 || lanes == 4 || lanes == 8 || lanes == 16; }
 
+/* floats a piece: a multiple of every level block (level_step * ILP * L) where n < 2^31. The record
+ * (wb_log_softmax) computes a row in pieces this long, each a call of MKL's vmsExp, which costs
+ * about a microsecond a call in torch's process: at [32, 49152] on two threads, pieces of 2048
+ * floats (x, lp and p in L1) take 0.3-0.4 ms longer than these (in L2). */
+#define SUM_PIECE 16384
+
+static void sum_open(sum_state *st, int64_t n) {
+    memset(st, 0, sizeof *st);
+    st->n = n;
+}
+
+static void sum_feed(sum_state *st, const float *x, const float *y, int64_t off, int64_t end, int lanes) {
+    if (lanes == 16) sum_feed_16(st, x, y, off, end);
+    else if (lanes == 8) sum_feed_8(st, x, y, off, end);
+    else if (lanes == 4) sum_feed_4(st, x, y, off, end);
+    else sum_feed_1(st, x, y, off, end);
+}
+
+static float sum_close(const sum_state *st, const float *x, const float *y, int64_t off, int lanes) {
+    if (lanes == 16) return sum_close_16(st, x, y, off);
+    if (lanes == 8) return sum_close_8(st, x, y, off);
+    if (lanes == 4) return sum_close_4(st, x, y, off);
+    return sum_close_1(st, x, y, off);
+}
+
+/* The pieces a row of n floats is fed in: SUM_PIECE floats, or the level block where that is longer
+ * (no row under 2^31 floats has one). */
+static int64_t sum_piece(int64_t n, int lanes) {
+    const int64_t block = sum_level_step(n / lanes / ILP) * ILP * lanes;
+    return block > SUM_PIECE ? block : SUM_PIECE;
+}
+
 static float torch_sum_products(const float *x, const float *y, int64_t n, int lanes) {
-    if (lanes == 16) return torch_sum_products_16(x, y, n);
-    if (lanes == 8) return torch_sum_products_8(x, y, n);
-    if (lanes == 4) return torch_sum_products_4(x, y, n);
-    return torch_sum_products_1(x, y, n);
+    sum_state st;
+    sum_open(&st, n);
+    sum_feed(&st, x, y, 0, n, lanes);
+    return sum_close(&st, x, y, 0, lanes);
 }
 
 /* rows x n: h = x (+ delta, stored in sum_out when given), out = w * (h * (1 / sqrt(sum(h^2) / n + eps))). */
@@ -143,7 +209,7 @@ int wb_rope(const float *q, const float *k, int64_t q_stride, int64_t k_stride, 
 #pragma GCC push_options
 #pragma GCC optimize("no-trapping-math")
 static inline float pow2i(int32_t q) {
-    const int32_t bits = (q + 0x7f) << 23;
+    const int32_t bits = (int32_t)((uint32_t)(q + 0x7f) << 23);
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
@@ -219,60 +285,268 @@ static float sleef_logf_u10(float d, int avx512) {
     return q0 + q1;
 }
 
-/* The row's maximum; 1 where it holds a NaN or the maximum is not finite (torch's path then). */
-static int row_max(const float *restrict x, int64_t n, float *out) {
-    float mx = -INFINITY; /* the maximum of floats without NaN does not depend on the order */
+/* The sampler's log-softmax pass (wb_log_softmax below) works on spans of a row: the maximum and
+ * its first index, the exps of x - max summed, lp = (x - max) - log(sum), and the record of
+ * p = exp(lp). With AVX2 and FMA, 8 floats a vector (torch's 16-lane vectors as two halves);
+ * elsewhere the same steps a float at a time. */
+#if WB_AVX2
+/* sleef_expf_u10 on 8 lanes for d that are not NaN and at most 100 (here x - max, at most 0): the
+ * same rounded operations in the same order, so the same bits. */
+static inline __m256 exp8_all(__m256 d) {
+    const __m256i q = _mm256_cvtps_epi32(
+        _mm256_mul_ps(d, _mm256_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
+    const __m256 qf = _mm256_cvtepi32_ps(q);
+    __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), d);
+    s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), s);
+    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
+    u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+    const __m256i half = _mm256_srai_epi32(q, 1), bias = _mm256_set1_epi32(0x7f);
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+    const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(q, half), bias), 23));
+    u = _mm256_mul_ps(_mm256_mul_ps(u, a), b);
+    return _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.0f), _CMP_LT_OQ), u);
+}
+
+/* exp8_all where every lane has -86.5 <= d <= 0, in fewer operations with the same bits: q =
+ * rint(d / ln2) by adding and subtracting 1.5 * 2^23 (round to nearest even, as the conversion),
+ * and the scaling by 2^q as an add to u's exponent field. q >= -125 there and u > 0.7, so u * 2^q
+ * is a normal float, which both of exp8_all's multiplications by powers of two give exactly; and
+ * d >= -104 needs no mask. */
+static inline __m256 exp8_normal(__m256 d) {
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
+    const __m256 t = _mm256_add_ps(
+        _mm256_mul_ps(d, _mm256_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)),
+        magic);
+    const __m256 qf = _mm256_sub_ps(t, magic);
+    __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), d);
+    s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), s);
+    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
+    u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+    /* t's low mantissa bits hold q (two's complement): shifted into the exponent field */
+    return _mm256_castsi256_ps(
+        _mm256_add_epi32(_mm256_castps_si256(u), _mm256_slli_epi32(_mm256_castps_si256(t), 23)));
+}
+
+/* exp(x - mx) of 8 floats as sleef_expf_u10 gives it: exp8_normal where it applies (every lane, or
+ * `narrow`: the whole span's x - mx is known to be at least -86.5), else exp8_all. */
+static inline __m256 exp8(__m256 x, __m256 mx, int narrow) {
+    const __m256 d = _mm256_sub_ps(x, mx);
+    if (!narrow && _mm256_movemask_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-86.5f), _CMP_NGE_UQ)) != 0)
+        return exp8_all(d);
+    return exp8_normal(d);
+}
+
+/* exp8 of the 32 floats at x into e[4], one test for the four: their steps interleave. */
+static inline void exp32(const float *x, __m256 mx, __m256 *e, int narrow) {
+    __m256 d[4];
+    for (int i = 0; i < 4; i++) d[i] = _mm256_sub_ps(_mm256_loadu_ps(x + 8 * i), mx);
+    if (!narrow) {
+        const __m256 low = _mm256_set1_ps(-86.5f);
+        __m256 out = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) out = _mm256_or_ps(out, _mm256_cmp_ps(d[i], low, _CMP_NGE_UQ));
+        if (_mm256_movemask_ps(out) != 0) {
+            for (int i = 0; i < 4; i++) e[i] = exp8_all(d[i]);
+            return;
+        }
+    }
+    for (int i = 0; i < 4; i++) e[i] = exp8_normal(d[i]);
+}
+
+/* The maximum and the minimum of x[0..n) (n >= 1) in *out and *low; 1 where the span holds a NaN
+ * (the two are then not decided). */
+static int span_max(const float *x, int64_t n, float *out, float *low) {
+    const __m256 inf = _mm256_set1_ps(INFINITY), minus_inf = _mm256_set1_ps(-INFINITY);
+    __m256 m0 = minus_inf, m1 = minus_inf, l0 = inf, l1 = inf, nan = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        const __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + 8);
+        const __m256 c = _mm256_loadu_ps(x + j + 16), d = _mm256_loadu_ps(x + j + 24);
+        m0 = _mm256_max_ps(m0, _mm256_max_ps(a, b));
+        m1 = _mm256_max_ps(m1, _mm256_max_ps(c, d));
+        l0 = _mm256_min_ps(l0, _mm256_min_ps(a, b));
+        l1 = _mm256_min_ps(l1, _mm256_min_ps(c, d));
+        const __m256 unordered = _mm256_or_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q), _mm256_cmp_ps(c, d, _CMP_UNORD_Q));
+        nan = _mm256_or_ps(nan, unordered);
+    }
+    for (; j + 8 <= n; j += 8) {
+        const __m256 a = _mm256_loadu_ps(x + j);
+        m0 = _mm256_max_ps(m0, a);
+        l0 = _mm256_min_ps(l0, a);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    }
+    float hi[8], lo[8];
+    _mm256_storeu_ps(hi, _mm256_max_ps(m0, m1));
+    _mm256_storeu_ps(lo, _mm256_min_ps(l0, l1));
+    float mx = hi[0], mn = lo[0]; /* the maximum of floats without NaN does not depend on the order */
+    for (int i = 1; i < 8; i++) {
+        mx = hi[i] > mx ? hi[i] : mx;
+        mn = lo[i] < mn ? lo[i] : mn;
+    }
+    int bad = _mm256_movemask_ps(nan) != 0;
+    for (; j < n; j++) {
+        mx = x[j] > mx ? x[j] : mx;
+        mn = x[j] < mn ? x[j] : mn;
+        bad |= x[j] != x[j];
+    }
+    *out = mx;
+    *low = mn;
+    return bad;
+}
+
+/* A bitmask of the 8 floats at x equal to t. */
+static inline uint32_t equal8(const float *x, __m256 t) {
+    return (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x), t, _CMP_EQ_OQ));
+}
+
+/* The first index of v in x[0..n), n where there is none. */
+static int64_t span_find(const float *x, int64_t n, float v) {
+    const __m256 t = _mm256_set1_ps(v);
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        const uint32_t m = equal8(x + j, t) | equal8(x + j + 8, t) << 8 | equal8(x + j + 16, t) << 16 |
+                           equal8(x + j + 24, t) << 24;
+        if (m) return j + __builtin_ctz(m);
+    }
+    for (; j < n; j++)
+        if (x[j] == v) return j;
+    return n;
+}
+
+/* acc[0..lanes) += exp(x - mx) of each vector of `lanes` floats in [v0, v1), lane by lane in order
+ * (vec::map_reduce_all's adds); `narrow` as exp8 takes it. */
+static void exp_add(const float *x, float mx, int64_t v0, int64_t v1, int lanes, float *acc, int narrow) {
+    const __m256 m = _mm256_set1_ps(mx);
+    const int64_t w = lanes / 8; /* 8-float halves a vector */
+    __m256 a = _mm256_loadu_ps(acc), b = w == 2 ? _mm256_loadu_ps(acc + 8) : a;
+    int64_t j = v0 * lanes;
+    /* four exps in flight (each a long chain of dependent steps), added in order */
+    for (; j + 32 <= v1 * lanes; j += 32) {
+        __m256 e[4];
+        exp32(x + j, m, e, narrow);
+        if (w == 1) {
+            a = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a, e[0]), e[1]), e[2]), e[3]);
+        } else {
+            a = _mm256_add_ps(_mm256_add_ps(a, e[0]), e[2]);
+            b = _mm256_add_ps(_mm256_add_ps(b, e[1]), e[3]);
+        }
+    }
+    for (; j < v1 * lanes; j += 8) {
+        const __m256 e = exp8(_mm256_loadu_ps(x + j), m, narrow);
+        if (w == 1 || (j / 8) % 2 == 0) a = _mm256_add_ps(a, e);
+        else b = _mm256_add_ps(b, e);
+    }
+    _mm256_storeu_ps(acc, a);
+    if (w == 2) _mm256_storeu_ps(acc + 8, b);
+}
+
+/* e[j] = exp(x[j] - mx) over the vectors of `lanes` floats in [v0, v1); `narrow` as exp8 takes it. */
+static void exp_store(const float *x, float mx, int64_t v0, int64_t v1, int lanes, float *e, int narrow) {
+    const __m256 m = _mm256_set1_ps(mx);
+    int64_t j = v0 * lanes;
+    for (; j + 32 <= v1 * lanes; j += 32) {
+        __m256 q[4];
+        exp32(x + j, m, q, narrow);
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(e + j + 8 * i, q[i]);
+    }
+    for (; j < v1 * lanes; j += 8) _mm256_storeu_ps(e + j, exp8(_mm256_loadu_ps(x + j), m, narrow));
+}
+
+/* acc[0..lanes) += the stored exps e of each vector in [v0, v1), as exp_add adds them. */
+static void stored_add(const float *e, int64_t v0, int64_t v1, int lanes, float *acc) {
+    if (lanes == 8) {
+        __m256 a = _mm256_loadu_ps(acc);
+        for (int64_t v = v0; v < v1; v++) a = _mm256_add_ps(a, _mm256_loadu_ps(e + v * 8));
+        _mm256_storeu_ps(acc, a);
+    } else {
+        __m256 a = _mm256_loadu_ps(acc), b = _mm256_loadu_ps(acc + 8);
+        for (int64_t v = v0; v < v1; v++) {
+            a = _mm256_add_ps(a, _mm256_loadu_ps(e + v * 16));
+            b = _mm256_add_ps(b, _mm256_loadu_ps(e + v * 16 + 8));
+        }
+        _mm256_storeu_ps(acc, a);
+        _mm256_storeu_ps(acc + 8, b);
+    }
+}
+#else
+static int span_max(const float *restrict x, int64_t n, float *out, float *low) {
+    float mx = -INFINITY, mn = INFINITY; /* the maximum of floats without NaN does not depend on the order */
     int bad = 0;
-#pragma omp simd reduction(max : mx) reduction(| : bad)
+#pragma omp simd reduction(max : mx) reduction(min : mn) reduction(| : bad)
     for (int64_t j = 0; j < n; j++) {
         const float v = x[j];
         mx = v > mx ? v : mx;
+        mn = v < mn ? v : mn;
         bad |= v != v;
     }
     *out = mx;
-    return bad || !isfinite(mx);
+    *low = mn;
+    return bad;
 }
 
-/* One row of torch.log_softmax (ATen's serial_vec_log_softmax_lastdim_range at `lanes` floats a
- * vector): the maximum; the exps of x - max summed as vec::map_reduce_all does (one vector of
- * partial sums over the row, the tail's lanes added into the first ones, then vec_reduce_all's
- * halving tree); SLEEF's log of the sum; out = (x - max) - log.
- * The argmax (first index of the maximum) too. Returns 1 where torch's path must run. */
-static int log_softmax_row(const float *restrict x, int64_t n, int lanes, float *restrict out, int64_t *argmax) {
-    float mx;
-    if (n < lanes || row_max(x, n, &mx)) return 1;
-    /* the exps of whole vectors added lane by lane into acc as map_reduce_all adds them (the first
-     * vector starts acc), kept in registers: a row of exps written out and read back was the slower
-     * way; then the tail's lanes into the first ones of acc */
+static int64_t span_find(const float *x, int64_t n, float v) {
+    for (int64_t j = 0; j < n; j++)
+        if (x[j] == v) return j;
+    return n;
+}
+
+static void exp_add(const float *restrict x, float mx, int64_t v0, int64_t v1, int lanes, float *restrict acc,
+                    int narrow) {
+    (void)narrow;
+    for (int64_t v = v0; v < v1; v++)
+        for (int i = 0; i < lanes; i++) acc[i] = acc[i] + sleef_expf_u10(x[v * lanes + i] - mx);
+}
+
+static void exp_store(const float *restrict x, float mx, int64_t v0, int64_t v1, int lanes, float *restrict e,
+                      int narrow) {
+    (void)narrow;
+    for (int64_t j = v0 * lanes; j < v1 * lanes; j++) e[j] = sleef_expf_u10(x[j] - mx);
+}
+
+static void stored_add(const float *restrict e, int64_t v0, int64_t v1, int lanes, float *restrict acc) {
+    for (int64_t v = v0; v < v1; v++)
+        for (int i = 0; i < lanes; i++) acc[i] = acc[i] + e[v * lanes + i];
+}
+#endif
+
+/* out[j] = (x[j] - mx) - lse for j in [0, n): ATen's order (see issue 11752: the max first). */
+static void lp_write(const float *restrict x, float mx, float lse, float *restrict out, int64_t n) {
+    for (int64_t j = 0; j < n; j++) out[j] = (x[j] - mx) - lse;
+}
+
+/* The row's maximum and its first index (torch.argmax), and whether every x - max is at least
+ * -86.5 (`narrow`, for exp8); 1 where torch's path must run: a NaN or an infinite maximum. A
+ * maximum of zero may have another sign than ATen's (which takes it from the order of the zeros it
+ * met) only where two or more zeros hold it: then log(sum) >= log(2), and (x - max) - log is the same
+ * float for either sign. */
+static int max_arg(const float *x, int64_t n, float *mx, int64_t *arg, int *narrow) {
+    float low;
+    if (span_max(x, n, mx, &low) || !isfinite(*mx)) return 1;
+    *arg = span_find(x, n, *mx);
+    *narrow = low - *mx >= -86.5f; /* rounding is monotone: no x - max below the minimum's */
+    return 0;
+}
+
+/* log(sum) from acc, the exps of the row's whole vectors summed lane by lane: the tail's exps added
+ * into the first lanes (map_reduce_all), vec_reduce_all's halving tree, SLEEF's log. */
+static float lse_of(float *acc, const float *x, float mx, int64_t n, int lanes) {
     const int64_t whole = n - n % lanes;
-    float acc[16];
-    if (lanes == 16) {
-        for (int i = 0; i < 16; i++) acc[i] = sleef_expf_u10(x[i] - mx);
-        for (int64_t d = 16; d < whole; d += 16) {
-            float v[16];
-            for (int i = 0; i < 16; i++) v[i] = sleef_expf_u10(x[d + i] - mx);
-            for (int i = 0; i < 16; i++) acc[i] = acc[i] + v[i];
-        }
-    } else {
-        for (int i = 0; i < 8; i++) acc[i] = sleef_expf_u10(x[i] - mx);
-        for (int64_t d = 8; d < whole; d += 8) {
-            float v[8];
-            for (int i = 0; i < 8; i++) v[i] = sleef_expf_u10(x[d + i] - mx);
-            for (int i = 0; i < 8; i++) acc[i] = acc[i] + v[i];
-        }
-    }
     for (int64_t i = 0; whole + i < n; i++) acc[i] = acc[i] + sleef_expf_u10(x[whole + i] - mx);
     for (int half = lanes / 2; half >= 1; half /= 2) {
         float next[16];
         for (int i = 0; i < lanes; i++) next[i] = acc[i] + acc[i ^ half];
         memcpy(acc, next, sizeof(float) * (size_t)lanes);
     }
-    const float lse = sleef_logf_u10(acc[0], lanes == 16);
-    for (int64_t j = 0; j < n; j++) out[j] = (x[j] - mx) - lse;
-    int64_t first = 0;
-    while (x[first] != mx) first++;
-    *argmax = first;
-    return 0;
+    return sleef_logf_u10(acc[0], lanes == 16);
 }
 
 #pragma GCC pop_options
@@ -303,40 +577,232 @@ int wb_entropy(const float *p, const float *lp, int64_t rows, int64_t n, int64_t
     return 0;
 }
 
-void wb_topk_row(const float *x, int64_t V, int64_t k, float *vals, int64_t *ids); /* topk.c */
-typedef void (*vexp_fn)(int n, const float *a, float *r);                        /* MKL's vsExp */
+typedef struct { float v; int64_t i; } wb_pair; /* topk.c's pair_t */
+void wb_topk_open(wb_pair *h, const float *x, int64_t k, int64_t base);           /* topk.c */
+void wb_topk_feed(wb_pair *h, int64_t k, const float *x, int64_t m, int64_t base, wb_pair *log, int64_t cap,
+                  int64_t *logged);
+void wb_topk_replay(wb_pair *h, int64_t k, const wb_pair *log, int64_t count);
+void wb_topk_close(wb_pair *h, int64_t k, float *vals, int64_t *ids);
+/* MKL's vmsExp, called as torch.exp calls it on CPU float32 (ATen/cpu/vml.h: VML_HA |
+ * VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE, whatever the global VML mode or MXCSR say) */
+typedef void (*vexp_fn)(int n, const float *a, float *r, long long mode);
+#define TORCH_VML_MODE (0x2LL | 0x140000LL | 0x100LL)
 
-/* The traced sampler's first pass, per row of logits x [rows, n] (row stride `stride`), rows >= 2,
- * one task per row: lp = torch.log_softmax(x) into out [rows, n] and the argmax of x (argmax [rows]);
- * with k > 0 also the record of the row's own distribution: p = exp(lp) by the exp torch.exp runs
- * (MKL's vsExp at `vexp`), its top-k as wb_topk, its entropy -(p * lp).sum() as wb_entropy sums it
- * (at `elanes`), with p in a per-thread row of `scratch` [threads, n] that stays in cache (NULL
- * without a record).
- * Returns 0; 1 where a row holds a NaN or an infinite maximum (nothing is decided: run torch's
- * path for the batch); -1 for arguments out of range. */
+typedef struct {
+    int64_t k;   /* the record's top-k; 0: no record */
+    vexp_fn exp; /* MKL's vmsExp, the exp torch.exp runs */
+    int elanes;  /* the entropy's sum width (wb_entropy's lanes) */
+} record_t;
+
+typedef struct {        /* the record of one span of a row */
+    wb_pair heap[256];  /* its top-k heap (topk.c) */
+    wb_pair *log;       /* NULL, or where the pairs that entered the heap go (wb_topk_feed) */
+    int64_t cap, logged;
+    float sum;          /* its sum of p * lp, in torch's order from the span's start */
+} span_rec;
+
+/* lp[j] = (x[j] - mx) - lse over the span [b, e) of a row; with a record, piece by piece while the
+ * piece is in cache: p = exp(lp) by MKL's vmsExp into p (at p + j where `keep`, else a piece-sized
+ * buffer), its pairs offered to the span's heap (opened on its first k), and, where `sum`, p * lp
+ * summed by the cascade from b (pieces of sum_piece floats). */
+static void span_out(const float *x, float *lp, float mx, float lse, int64_t b, int64_t e, const record_t *rec,
+                     float *p, int keep, int sum, span_rec *sr) {
+    if (rec->k == 0) {
+        lp_write(x + b, mx, lse, lp + b, e - b);
+        return;
+    }
+    const int64_t k = rec->k, piece = sum_piece(e - b, rec->elanes);
+    sum_state st;
+    sum_open(&st, e - b);
+    float *q = p;
+    int64_t c = b;
+    for (;;) {
+        const int64_t m = e - c < piece ? e - c : piece;
+        q = keep ? p + c : p;
+        lp_write(x + c, mx, lse, lp + c, m);
+        rec->exp((int)m, lp + c, q, TORCH_VML_MODE);
+        if (c == b) { /* m >= k: a span holds k * 64 floats or more, a piece SUM_PIECE or all of them */
+            wb_topk_open(sr->heap, q, k, b);
+            if (sr->log != NULL) {
+                for (int64_t j = 0; j < k; j++) sr->log[j] = (wb_pair){q[j], b + j};
+                sr->logged = k;
+            }
+            wb_topk_feed(sr->heap, k, q + k, m - k, b + k, sr->log, sr->cap, &sr->logged);
+        } else {
+            wb_topk_feed(sr->heap, k, q, m, c, sr->log, sr->cap, &sr->logged);
+        }
+        if (sum) sum_feed(&st, q, lp + c, c - b, c + m - b, rec->elanes);
+        if (c + m >= e) break;
+        c += m;
+    }
+    sr->sum = sum ? sum_close(&st, q, lp + c, c - b, rec->elanes) : 0.0f;
+}
+
+/* One row, one thread: wb_log_softmax's per-row pass. Returns 1 where torch's path must run. */
+static int ls_row(const float *x, int64_t n, int lanes, float *lp, int64_t *argmax, const record_t *rec, float *p,
+                  float *vals, int64_t *ids, float *entropy) {
+    float mx;
+    int narrow;
+    if (max_arg(x, n, &mx, argmax, &narrow)) return 1;
+    float acc[16];
+    exp_store(x, mx, 0, 1, lanes, acc, narrow); /* map_reduce_all starts from the first vector's exps */
+    exp_add(x, mx, 1, n / lanes, lanes, acc, narrow);
+    const float lse = lse_of(acc, x, mx, n, lanes);
+    span_rec sr = {.log = NULL, .cap = 0, .logged = 0};
+    span_out(x, lp, mx, lse, 0, n, rec, p, 0, 1, &sr);
+    if (rec->k > 0) {
+        wb_topk_close(sr.heap, rec->k, vals, ids);
+        float total = 0.0f; /* as wb_entropy adds a batch row's one sum */
+        total += sr.sum;
+        *entropy = -total;
+    }
+    return 0;
+}
+
+#define PART_LOG 1024 /* pairs a later part of a row logs (wb_topk_feed); past them, it is fed again */
+
+typedef struct {
+    float mx, low;
+    int64_t arg;
+    int bad;
+    span_rec rec;
+} part_t;
+
+/* One row cut into `parts` spans of ceil(n / parts) floats, one a thread: torch.log_softmax runs a
+ * row on one thread, but its maximum does not depend on the order, the exps of later spans can be
+ * computed beside the first span's and added after them in the same order (stored in lp, which is
+ * written last), and lp, p and the top-k (merged by wb_topk_replay) are a span's own. The entropy:
+ * where torch's sum cuts the row into `parts` chunks at this many threads (wb_entropy), the spans
+ * are those chunks, each summed from its start and the partial sums added in turn; a row torch sums
+ * whole (`parts` > chunks = 1) is summed from p, kept whole in p, after the spans.
+ * Returns 1 where torch's path must run. */
+static int ls_one_row(const float *x, int64_t n, int lanes, float *lp, int64_t *argmax, const record_t *rec,
+                      float *p, float *vals, int64_t *ids, float *entropy, int64_t parts, int64_t chunks) {
+    const int64_t size = (n + parts - 1) / parts, nv = n / lanes, k = rec->k;
+    part_t *part = malloc((size_t)parts * sizeof *part);
+    wb_pair *logs = k > 0 ? malloc((size_t)parts * PART_LOG * sizeof *logs) : NULL;
+    if (part == NULL || (k > 0 && logs == NULL)) {
+        free(part);
+        free(logs);
+        return 1;
+    }
+    float mx = 0.0f, lse = 0.0f, acc[16];
+    int failed = 0, narrow = 0;
+#pragma omp parallel num_threads((int)parts)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < parts; t++) {
+            const int64_t b = t * size, e = b + size < n ? b + size : n;
+            part[t].bad = span_max(x + b, e - b, &part[t].mx, &part[t].low);
+            part[t].arg = part[t].bad ? 0 : b + span_find(x + b, e - b, part[t].mx);
+        }
+#pragma omp single
+        {
+            float low = part[0].low;
+            mx = part[0].mx;
+            for (int64_t t = 0; t < parts; t++) {
+                failed |= part[t].bad;
+                mx = part[t].mx > mx ? part[t].mx : mx;
+                low = part[t].low < low ? part[t].low : low;
+            }
+            failed |= !isfinite(mx); /* as max_arg */
+            narrow = low - mx >= -86.5f;
+            for (int64_t t = 0; !failed && t < parts; t++)
+                if (part[t].mx == mx) {
+                    *argmax = part[t].arg;
+                    break;
+                }
+        }
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < parts; t++) { /* the vectors that start in the span */
+                const int64_t v1 = t == parts - 1 ? nv : ((t + 1) * size + lanes - 1) / lanes;
+                if (t == 0) {
+                    exp_store(x, mx, 0, 1, lanes, acc, narrow);
+                    exp_add(x, mx, 1, v1 < nv ? v1 : nv, lanes, acc, narrow);
+                } else {
+                    const int64_t v0 = (t * size + lanes - 1) / lanes;
+                    exp_store(x, mx, v0 < nv ? v0 : nv, v1 < nv ? v1 : nv, lanes, lp, narrow);
+                }
+            }
+#pragma omp single
+            {
+                const int64_t v0 = (size + lanes - 1) / lanes;
+                stored_add(lp, v0 < nv ? v0 : nv, nv, lanes, acc);
+                lse = lse_of(acc, x, mx, n, lanes);
+            }
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < parts; t++) {
+                const int64_t b = t * size, e = b + size < n ? b + size : n;
+                part[t].rec.log = t > 0 && logs != NULL ? logs + t * PART_LOG : NULL;
+                part[t].rec.cap = PART_LOG;
+                part[t].rec.logged = 0;
+                span_out(x, lp, mx, lse, b, e, rec, p, 1, chunks == parts, &part[t].rec);
+            }
+#pragma omp single
+            if (k > 0) {
+                float total = 0.0f;
+                if (chunks == parts)
+                    for (int64_t t = 0; t < parts; t++) total += part[t].rec.sum;
+                else
+                    total += torch_sum_products(p, lp, n, rec->elanes);
+                *entropy = -total;
+                wb_pair *h = part[0].rec.heap;
+                for (int64_t t = 1; t < parts; t++) {
+                    const int64_t b = t * size, e = b + size < n ? b + size : n;
+                    if (part[t].rec.logged <= PART_LOG) wb_topk_replay(h, k, part[t].rec.log, part[t].rec.logged);
+                    else wb_topk_feed(h, k, p + b, e - b, b, NULL, 0, NULL);
+                }
+                wb_topk_close(h, k, vals, ids);
+            }
+        }
+    }
+    free(part);
+    free(logs);
+    return failed;
+}
+
+/* The traced sampler's first pass, per row of logits x [rows, n] (row stride `stride`): lp =
+ * torch.log_softmax(x) into out [rows, n] (ATen's serial_vec_log_softmax_lastdim_range at `lanes`
+ * floats a vector: the maximum; the exps of x - max summed as vec::map_reduce_all does, one vector
+ * of partial sums over the row, the tail's lanes added into the first ones, then vec_reduce_all's
+ * halving tree; SLEEF's log of the sum; (x - max) - log) and the argmax of x (argmax [rows]); with
+ * k > 0 also the record of the row's own distribution: p = exp(lp) by the exp torch.exp runs (MKL's
+ * vmsExp at `vexp`, in torch's mode), its top-k as wb_topk (vals, ids [rows, k]), its entropy
+ * -(p * lp).sum() as wb_entropy sums it at `elanes` (entropy [rows]), p a piece at a time in the
+ * thread's row of `scratch` [threads, n] while it is in cache.
+ * Several rows: one task per row. One row with several threads: cut into spans as ls_one_row says
+ * (torch's chunks of its sum, or two spans where it sums the row whole), p in scratch's first row;
+ * every vmsExp call then runs inside a parallel region of two or more threads, where MKL does not
+ * start threads of its own (outside one, with torch's thread count above one, it does: about 0.1 ms
+ * a call of 2048 floats on the 2-core EPYC, measured in C).
+ * Returns 0; 1 where a row holds a NaN or an infinite maximum (nothing is decided: run torch's path
+ * for the batch); -1 for arguments out of range. */
 int wb_log_softmax(const float *x, int64_t rows, int64_t n, int64_t stride, int lanes, float *out, int64_t *argmax,
                    int64_t k, void *vexp, int elanes, float *scratch, float *vals, int64_t *ids, float *entropy,
                    int threads) {
     if ((lanes != 16 && lanes != 8) || n < lanes || n > 2147483647 || rows < 1) return -1;
-    if (k > 0 && (k > 256 || k * 64 > n || vexp == NULL || scratch == NULL || !lanes_ok(elanes))) return -1;
+    if (k < 0 || (k > 0 && (k > 256 || k * 64 > n || vexp == NULL || scratch == NULL || !lanes_ok(elanes))))
+        return -1;
+    const record_t rec = {k, (vexp_fn)vexp, elanes};
+    threads = threads > 0 ? threads : 1;
+    int64_t chunks = (n + 32767) / 32768; /* wb_entropy's chunks of one row */
+    if (chunks > threads) chunks = threads;
+    if (rows == 1 && threads > 1) {
+        const int64_t parts = chunks > 1 ? chunks : 2;
+        return ls_one_row(x, n, lanes, out, argmax, &rec, scratch, vals, ids, entropy, parts, chunks);
+    }
     int failed = 0;
-#pragma omp parallel num_threads(threads > 0 ? threads : 1) if (rows > 1)
+#pragma omp parallel num_threads(threads) if (rows > 1)
     {
-        float *e = k > 0 ? scratch + (ptrdiff_t)omp_get_thread_num() * n : NULL;
+        float *p = k > 0 ? scratch + (ptrdiff_t)omp_get_thread_num() * n : NULL;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            float *lp = out + r * n;
-            if (log_softmax_row(x + r * stride, n, lanes, lp, argmax + r)) {
+            const int record = k > 0; /* vals, ids and entropy: NULL without a record */
+            if (ls_row(x + r * stride, n, lanes, out + r * n, argmax + r, &rec, p, record ? vals + r * k : NULL,
+                       record ? ids + r * k : NULL, record ? entropy + r : NULL)) {
 #pragma omp atomic write
                 failed = 1;
-                continue;
-            }
-            if (k > 0) {
-                ((vexp_fn)vexp)((int)n, lp, e);
-                wb_topk_row(e, n, k, vals + r * k, ids + r * k);
-                float total = 0.0f; /* as wb_entropy adds a batch row's one sum */
-                total += torch_sum_products(e, lp, n, elanes);
-                entropy[r] = -total;
             }
         }
     }
