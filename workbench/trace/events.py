@@ -188,7 +188,9 @@ class RepeatedStage(dict):
     @classmethod
     def of(cls, source: dict[str, Any], name: str) -> RepeatedStage:
         """`{**source, "name": name, "kept_mass": 1.0, "applied": False}`, knowing its source."""
-        out = cls(source, name=name, kept_mass=1.0, applied=False)
+        out = cls.__new__(cls)  # without __init__'s keyword pass: 0.5 us against 1.9, 7 a traced row a step
+        out.update(source)
+        out["name"], out["kept_mass"], out["applied"] = name, 1.0, False
         out.source = source
         return out
 

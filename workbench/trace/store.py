@@ -61,6 +61,7 @@ class TraceWriter:
         self.last_drop = ""
         self._next_id = 1
         self._steps: dict[int, StepSummary] = {}
+        self._forgot: int | None = None  # the last step `_forget_old_steps` took out of `_steps`
         self._thread = threading.Thread(target=self._run, name="wbtrace-writer", daemon=True)
         self._thread.start()
         atexit.register(self.close)
@@ -236,15 +237,19 @@ class TraceWriter:
 
     def _summary(self, step: int) -> StepSummary:
         if step not in self._steps:
-            cols = ", ".join(STEP_COLUMNS)
-            row = self._conn.execute(f"SELECT {cols} FROM steps WHERE step = ?", (step,)).fetchone()
+            row = None
+            if self._forgot is not None and step <= self._forgot:  # a later step was never summarised
+                cols = ", ".join(STEP_COLUMNS)
+                row = self._conn.execute(f"SELECT {cols} FROM steps WHERE step = ?", (step,)).fetchone()
             self._steps[step] = StepSummary.from_row(row) if row else StepSummary(step=step)
         return self._steps[step]
 
     def _forget_old_steps(self) -> None:
         if len(self._steps) > 64:  # keep the few recent steps in memory; older ones reload on demand
-            for step in sorted(self._steps)[:-16]:
+            old = sorted(self._steps)[:-16]
+            for step in old:
                 del self._steps[step]
+            self._forgot = max(old[-1], self._forgot if self._forgot is not None else old[-1])
 
     def _finish_file(self) -> None:
         """Fold the WAL into the file and leave one self-contained file when no reader holds it."""
