@@ -290,12 +290,9 @@ static float sleef_logf_u10(float d, int avx512) {
  * p = exp(lp). With AVX2 and FMA, 8 floats a vector (torch's 16-lane vectors as two halves);
  * elsewhere the same steps a float at a time. */
 #if WB_AVX2
-/* sleef_expf_u10 on 8 lanes for d that are not NaN and at most 100 (here x - max, at most 0): the
- * same rounded operations in the same order, so the same bits. */
-static inline __m256 exp8_all(__m256 d) {
-    const __m256i q = _mm256_cvtps_epi32(
-        _mm256_mul_ps(d, _mm256_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
-    const __m256 qf = _mm256_cvtepi32_ps(q);
+/* sleef_expf_u10's middle on 8 lanes: s = d - q*ln2 in two fused steps, then 1 + s + s^2 * p(s)
+ * (the degree-6 polynomial in fused multiply-adds), before the scaling by 2^q. */
+static inline __m256 exp8_reduced(__m256 qf, __m256 d) {
     __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), d);
     s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), s);
     __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
@@ -304,7 +301,15 @@ static inline __m256 exp8_all(__m256 d) {
     u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
     u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
     u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
-    u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+    return _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+}
+
+/* sleef_expf_u10 on 8 lanes for d that are not NaN and at most 100 (here x - max, at most 0): the
+ * same rounded operations in the same order, so the same bits. */
+static inline __m256 exp8_all(__m256 d) {
+    const __m256i q = _mm256_cvtps_epi32(
+        _mm256_mul_ps(d, _mm256_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)));
+    __m256 u = exp8_reduced(_mm256_cvtepi32_ps(q), d);
     const __m256i half = _mm256_srai_epi32(q, 1), bias = _mm256_set1_epi32(0x7f);
     const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
     const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(q, half), bias), 23));
@@ -322,16 +327,7 @@ static inline __m256 exp8_normal(__m256 d) {
     const __m256 t = _mm256_add_ps(
         _mm256_mul_ps(d, _mm256_set1_ps(1.442695040888963407359924681001892137426645954152985934135449406931f)),
         magic);
-    const __m256 qf = _mm256_sub_ps(t, magic);
-    __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), d);
-    s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), s);
-    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
-    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
-    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
-    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
-    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
-    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
-    u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+    const __m256 u = exp8_reduced(_mm256_sub_ps(t, magic), d);
     /* t's low mantissa bits hold q (two's complement): shifted into the exponent field */
     return _mm256_castsi256_ps(
         _mm256_add_epi32(_mm256_castps_si256(u), _mm256_slli_epi32(_mm256_castps_si256(t), 23)));
