@@ -371,3 +371,21 @@ def test_a_batch_steps_events_share_rows_and_read_back_one_by_one(tmp_path: Path
         ids = trace.events_frame(kind="logits")["id"].tolist()
         assert len(ids) == len(set(ids)) == sum(e.kind == "logits" for e in emitted)
         assert list(trace.follow(from_start=True, idle_timeout=0)) == emitted
+
+
+def test_layers_running_the_same_attention_are_stored_once_and_read_back_one_a_layer(tmp_path: Path) -> None:
+    full = {"window": None, "softcap": None, "sinks": False, "scaling": 0.125}
+    local = {"window": 4096, "softcap": 30.0, "sinks": True, "scaling": 0.125}
+    attention = [full] * 5 + [local] + [full] * 3 + [dict(full)]  # the last: equal, not shared
+    event = ev.ForwardBatchBuilt(step=1, t=0.5, batch_size=1, attention=attention)
+    payload = event.payload()
+    assert payload["attention"] == [full, local, full, full] and payload[ev.LAYER_RUNS] == [5, 1, 3, 1]
+    path = tmp_path / "layers.wbtrace"
+    with TraceWriter(path) as writer:
+        writer.write(event)
+    with open_trace(path) as trace:
+        [back] = trace.events()
+    assert back == event and len(back.attention) == 10
+    for bad in ([5, 1, 3], [5, 0, 3, 1], [5, 1, 3, 10**9], "5"):
+        with pytest.raises(ValueError, match="layer_runs"):
+            ev.event_from_json({**event.to_json(), "payload": {**payload, ev.LAYER_RUNS: bad}})

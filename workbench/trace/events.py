@@ -16,8 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 # 2: a sampling stage that changed nothing is stored as {"name", "applied": false, "repeat": true}
-# 3: a run of one step's events of one kind about different requests may share one row (format.py)
+# 3: a run of one step's events of one kind about different requests may share one row (format.py);
+#    a forward_batch's layers that run the same attention are stored once with a count (LAYER_RUNS)
 SCHEMA_VERSION = 3
+LAYER_RUNS = "@layer_runs"  # the payload key of those counts (no field has this name)
+MAX_LAYERS = 65536  # what a stored forward_batch's counts may expand to
 
 # Trace levels. `off` records nothing and costs nothing; `summary` records every event below;
 # `full` adds full tensors (logits vectors) to the tensors table.
@@ -147,6 +150,36 @@ class ForwardBatchBuilt(Event):
     model: str = "target"  # target | draft (a drafter's forward in speculative decoding)
     # per layer, the attention it runs: {window (None = full), softcap, sinks, scaling}; [] in older files
     attention: list[dict[str, Any]] = field(default_factory=list)
+
+    def payload(self) -> dict[str, Any]:
+        # Consecutive layers holding the very same record (engine/run/variants.trace_record shares it
+        # between layers that run the same attention: every layer of most models) are stored once,
+        # with their count under LAYER_RUNS; decoding restores one entry a layer.
+        out = Event.payload(self)
+        attention, counts = [], []
+        for layer in self.attention:
+            if attention and layer is attention[-1]:
+                counts[-1] += 1
+            else:
+                attention.append(layer)
+                counts.append(1)
+        if len(attention) < len(self.attention):
+            out["attention"], out[LAYER_RUNS] = attention, counts
+        return out
+
+    @staticmethod
+    def expand_payload(payload: dict[str, Any]) -> dict[str, Any]:
+        counts = payload.get(LAYER_RUNS)
+        if counts is None:
+            return payload
+        attention = payload.get("attention")
+        if not (isinstance(counts, list) and isinstance(attention, list) and len(counts) == len(attention)
+                and all(type(c) is int and c >= 1 for c in counts) and sum(counts) <= MAX_LAYERS):
+            raise ValueError(f"forward_batch: a malformed {LAYER_RUNS} (counts of 1 or more, one per "
+                             f"attention entry, at most {MAX_LAYERS} layers in all)")
+        out = {k: v for k, v in payload.items() if k != LAYER_RUNS}
+        out["attention"] = [layer for layer, n in zip(attention, counts) for _ in range(n)]
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -373,13 +406,13 @@ def event_from_json(obj: dict[str, Any]) -> Event:
     except KeyError as exc:
         raise ValueError(f"unknown event kind {obj.get('kind')!r}") from exc
     payload = obj.get("payload") or {}
+    expand = getattr(cls, "expand_payload", None)
+    if expand is not None:  # first: a stored form may hold keys of its own (LAYER_RUNS)
+        payload = expand(payload)
     names = {f.name for f in dataclasses.fields(cls)}
     extra = set(payload) - names
     if extra:
         raise ValueError(f"event kind {cls.kind!r} has no fields {sorted(extra)}")
-    expand = getattr(cls, "expand_payload", None)
-    if expand is not None:
-        payload = expand(payload)
     return cls(step=int(obj["step"]), req_id=obj.get("req_id"), t=float(obj.get("t", 0.0)), **payload)
 
 

@@ -144,9 +144,19 @@ def probe(model: torch.nn.Module) -> list[AttentionVariant]:
 
 def trace_record(runner: Any, layer_limit: int | None) -> list[dict[str, Any]]:
     """Per layer of the forward (index = layer; an early-exit draft runs the first `layer_limit`):
-    `{window, softcap, sinks, scaling}` of the runner that runs it, the target's or the drafter's."""
-    return [{"window": v.window, "softcap": v.softcap, "sinks": v.sinks, "scaling": v.scaling}
-            for v in runner.variants[:layer_limit]]
+    `{window, softcap, sinks, scaling}` of the runner that runs it, the target's or the drafter's.
+    A layer that runs what the layer before it runs shares that layer's dict (the same values to the
+    bit), which a trace stores once with a count (trace/events.py, ForwardBatchBuilt)."""
+    out: list[dict[str, Any]] = []
+    before = None
+    for v in runner.variants[:layer_limit]:
+        key = (v.window, v.softcap.hex() if isinstance(v.softcap, float) else v.softcap, v.sinks,
+               v.scaling.hex() if isinstance(v.scaling, float) else v.scaling)
+        if key != before:
+            record = {"window": v.window, "softcap": v.softcap, "sinks": v.sinks, "scaling": v.scaling}
+            before = key
+        out.append(record)
+    return out
 
 
 NAME = "attention.variants"  # its entry in engine/kernels/registry.py
