@@ -106,11 +106,21 @@ def test_every_registered_replacement_reports_through_the_one_mechanism(runs):
 
 
 def test_a_second_process_reads_each_kept_verdict_from_the_store(runs):
+    from workbench.engine.kernels.gemm import RACE_BUSY_SHARE
+
     _, cold, _, warm, _, _ = runs
     sources = _check_section(warm["checks"])
+    # a race the cold process timed while its threads waited for a CPU (a busy machine) is kept but
+    # run again by the next process (gemm._quiet_race): the one verdict a second process may re-decide
+    busy = {json.dumps(v["key"]) for v in cold["checks"]["replacements"]["linear.route"]["verdicts"]
+            if v["facts"].get("waited", 0.0) > RACE_BUSY_SHARE}
+    raced_again = {json.dumps(v["key"]) for v in warm["checks"]["replacements"]["linear.route"]["verdicts"]
+                   if v["source"] == CHECKED_NOW}
+    assert raced_again <= busy, raced_again - busy
     for name in REGISTRY:
         if name in ON_DISK:  # every one passed on tiny-random, so every one was kept
-            assert sources[name] and all(CACHED.match(s) for s in sources[name]), (name, sources[name])
+            kept = {s for s in sources[name] if not (name == "linear.route" and s == CHECKED_NOW)}
+            assert kept and all(CACHED.match(s) for s in kept), (name, sources[name])
         else:  # checked in every process, by design (milliseconds)
             assert sources[name] == {CHECKED_NOW}, name
     for name in REGISTRY:  # the same verdicts, whichever process decided them (the cold one decided
