@@ -190,10 +190,6 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
                 return
             yield from rows
 
-    def _event(self, row: tuple[Any, ...]) -> Event:
-        event_id, step, req_id, kind, t, payload = row
-        return self._make_event(event_id, step, req_id, kind, t, self._payload(event_id, payload))
-
     def _make_event(self, event_id: int, step: Any, req_id: Any, kind: Any, t: Any, payload: dict[str, Any]) -> Event:
         obj = {"kind": kind, "step": step, "req_id": req_id, "t": t, "payload": payload}
         try:
@@ -221,13 +217,18 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
             out.append((i, m["r"], m["t"], m["p"]))
         return out
 
+    def _split(self, row: tuple[Any, ...], payload: dict[str, Any],
+               req_id: str | None = None) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+        """A row and its parsed payload as one (row, payload) pair per event it holds (each member of
+        a run row with its own id, req_id and t), those of `req_id` only when it is given."""
+        if not self._is_run(row):
+            return [(row, payload)] if req_id is None or row[2] == req_id else []
+        return [((i, row[1], r, row[3], t, row[5]), p) for i, r, t, p in self._run(row[0], payload)
+                if req_id is None or r == req_id]
+
     def _events_of(self, row: tuple[Any, ...], req_id: str | None = None) -> list[Event]:
         """The events a row holds (one, or a run's), those of `req_id` only when it is given."""
-        if not self._is_run(row):
-            return [self._event(row)] if req_id is None or row[2] == req_id else []
-        event_id, step, _, kind, _, text = row
-        return [self._make_event(i, step, r, kind, t, p) for i, r, t, p in self._run(event_id, self._payload(event_id, text))
-                if req_id is None or r == req_id]
+        return [self._make_event(*r[:5], p) for r, p in self._split(row, self._payload(row[0], row[5]), req_id)]
 
     def _payload(self, event_id: int, text: Any) -> dict[str, Any]:
         try:
@@ -404,21 +405,9 @@ class Trace(InsideReader):  # + what capture kept inside the forward (inside.py)
             pass
         if payloads is None:
             payloads = [self._payload(r[0], r[5]) for r in rows]  # names the corrupt event
-        if not self._runs:
-            return rows, payloads
-        out_rows, out_payloads = [], []
-        for row, payload in zip(rows, payloads, strict=True):
-            if self._is_run(row):
-                for i, r, t, p in self._run(row[0], payload):
-                    if req_id is None or r == req_id:
-                        out_rows.append((i, row[1], r, row[3], t, row[5]))
-                        out_payloads.append(p)
-            elif req_id is None or row[2] == req_id:
-                out_rows.append(row)
-                out_payloads.append(payload)
-        if limit is not None:
-            out_rows, out_payloads = out_rows[:limit], out_payloads[:limit]
-        return out_rows, out_payloads
+        pairs = [pair for row, payload in zip(rows, payloads, strict=True) for pair in self._split(row, payload, req_id)]
+        pairs = pairs[:limit] if limit is not None else pairs
+        return [r for r, _ in pairs], [p for _, p in pairs]
 
     # --- live files ------------------------------------------------------------------------------
 
