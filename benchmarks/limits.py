@@ -122,31 +122,44 @@ def model_costs(model: torch.nn.Module) -> tuple[int, float]:
     return weight_bytes, 2.0 * sum(m.weight.numel() for m in linears)
 
 
+def _buffers(mb: int) -> list[torch.Tensor]:
+    """Float buffers of `mb` MB of ones: one from torch's allocator (4 KB pages here) and, where the
+    system has them, one in 2 MB huge pages, as the engine's weights are held (models/loader.py
+    `to_huge_pages`): a floor must be the faster of the two."""
+    from workbench.models.loader import huge_page_bytes, huge_pages_available
+
+    out = [torch.ones(mb * (1 << 20) // 4)]
+    if huge_pages_available():
+        out.append(huge_page_bytes(mb << 20).view(torch.float32).fill_(1.0))
+    return out
+
+
 def copy_bandwidth(mb: int = 256, repeats: int = 5) -> float:
-    src = torch.ones(mb * (1 << 20) // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
-    return 2 * src.numel() * 4 / best / 1e9
+    best = float("inf")
+    for src, dst in zip(_buffers(mb), _buffers(mb), strict=True):  # both in the same kind of pages
+        dst.copy_(src)
+        best = min(best, *(_timed(lambda dst=dst, src=src: dst.copy_(src)) for _ in range(repeats)))
+    return 2 * mb * (1 << 20) / best / 1e9
 
 
 def read_bandwidth(mb: int = 256, repeats: int = 5) -> float:
     """Bytes read a second (GB/s) by benchmarks/c/limits.c, best over 4 and 8 streams a
-    thread with and without software prefetch; 0.0 where it can not be built."""
+    thread with and without software prefetch, in 4 KB and (where there are) 2 MB pages; 0.0
+    where it can not be built."""
     lib = _read_lib()
     if lib is None:
         return 0.0
-    src = torch.ones(mb * (1 << 20) // 4)
     threads = torch.get_num_threads()
     fastest = float("inf")
-    for streams in (4, 8):
-        for ahead in (0, 256):
-            def run(streams: int = streams, ahead: int = ahead) -> None:
-                lib.wb_read_streams(src.data_ptr(), src.numel(), streams, ahead, threads)
+    for src in _buffers(mb):
+        for streams in (4, 8):
+            for ahead in (0, 256):
+                def run(src: torch.Tensor = src, streams: int = streams, ahead: int = ahead) -> None:
+                    lib.wb_read_streams(src.data_ptr(), src.numel(), streams, ahead, threads)
 
-            run()
-            fastest = min(fastest, *(_timed(run) for _ in range(repeats)))
-    return src.numel() * 4 / fastest / 1e9
+                run()
+                fastest = min(fastest, *(_timed(run) for _ in range(repeats)))
+    return mb * (1 << 20) / fastest / 1e9
 
 
 def fma_peak(iters: int = 20_000_000, repeats: int = 3) -> float:

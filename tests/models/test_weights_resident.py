@@ -6,11 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
+
 from workbench.models import load_model
+from workbench.models.loader import huge_pages_available
 
 
-def _mapping_rss_kb(address: int) -> tuple[str, int, int]:
-    """(file, size in KB, resident KB) of this process's mapping holding `address`."""
+def _mapping(address: int) -> tuple[str, int, dict[str, int]]:
+    """(file, size in KB, its smaps fields in KB) of this process's mapping holding `address`."""
     lines = Path("/proc/self/smaps").read_text().splitlines()
     for i, line in enumerate(lines):
         head = line.split(maxsplit=5)
@@ -18,18 +22,42 @@ def _mapping_rss_kb(address: int) -> tuple[str, int, int]:
             continue
         lo, hi = (int(x, 16) for x in head[0].split("-"))
         if lo <= address < hi:
-            rss = next(int(x.split()[1]) for x in lines[i + 1:] if x.startswith("Rss:"))
-            return (head[5] if len(head) > 5 else ""), (hi - lo) // 1024, rss
+            fields = {}
+            for x in lines[i + 1:]:
+                parts = x.split()
+                if not parts[0].endswith(":") or "-" in parts[0]:
+                    break
+                if len(parts) == 3 and parts[2] == "kB":
+                    fields[parts[0][:-1]] = int(parts[1])
+            return (head[5] if len(head) > 5 else ""), (hi - lo) // 1024, fields
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def test_the_embedding_table_is_resident_before_any_token_is_read():
-    lm = load_model("tiny-random", device="cpu")
+    lm = load_model("tiny-random", device="cpu", huge_pages=False)
     table = lm.model.get_input_embeddings().weight
-    name, size_kb, rss_kb = _mapping_rss_kb(table.data_ptr())
+    name, size_kb, fields = _mapping(table.data_ptr())
     assert name.endswith(".safetensors"), f"the table is not read from the mapped file ({name!r})"
     # every tensor of the file is a parameter: all of the mapping but its header page is resident
-    assert rss_kb >= size_kb - 8, f"{rss_kb} of {size_kb} KB of {name} resident after load"
+    assert fields["Rss"] >= size_kb - 8, f"{fields['Rss']} of {size_kb} KB of {name} resident after load"
+
+
+@pytest.mark.skipif(not huge_pages_available(), reason="this system offers no transparent huge pages")
+def test_smollm2s_weights_sit_in_huge_pages_with_the_same_values():
+    # a batch-1 step streams every weight once: in 2 MB pages instead of 4 KB ones it took 4-6% less
+    # time (benchmarks/weights_pages.py); the values, and tied weights' sharing, must not change
+    lm = load_model("smollm2", device="cpu")
+    plain = load_model("smollm2", device="cpu", huge_pages=False)
+    params = dict(lm.model.named_parameters(remove_duplicate=False))
+    for key, value in plain.model.named_parameters(remove_duplicate=False):
+        assert torch.equal(params[key], value), key
+    assert lm.model.lm_head.weight.data_ptr() == lm.model.model.embed_tokens.weight.data_ptr()
+    name, size_kb, fields = _mapping(lm.model.model.layers[3].mlp.up_proj.weight.data_ptr())
+    assert name == "", f"the weights are still in a file's mapping ({name!r})"
+    weights_kb = sum(p.numel() * 4 for p in lm.model.parameters()) // 1024
+    assert fields["Rss"] >= weights_kb, f"{fields['Rss']} KB resident of {weights_kb} KB of weights"
+    # the kernel may fall back to 4 KB pages where it finds no free 2 MB block: most must be huge
+    assert fields["AnonHugePages"] >= 0.9 * weights_kb, f"{fields['AnonHugePages']} KB of {weights_kb} in huge pages"
 
 
 def test_tensors_without_a_plain_byte_view_are_left_to_their_first_read():
