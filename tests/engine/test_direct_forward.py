@@ -96,6 +96,26 @@ def test_a_users_hook_still_fires_and_the_models_forward_runs(fresh):
     assert report["forwards"]["direct"] > 0 and hooked == unhooked
 
 
+def test_a_hook_added_mid_request_fires_at_the_next_step(fresh):
+    # the per-forward hook scan is skipped while no hook was registered anywhere since the last scan
+    # found none: a hook registered between two steps (a notebook, mid-request) must still be seen
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    with Engine(fresh, trace_level="off") as engine:
+        engine.add_request("The quick brown fox", params)
+        for _ in range(3):
+            engine.step()
+        forwards = engine.runner.forwards
+        assert forwards["direct"] == 3 and forwards["model"] == 0
+        seen = []
+        handle = fresh.model.model.layers[0].self_attn.register_forward_pre_hook(lambda *a: seen.append(1))
+        engine.step()
+        assert seen and forwards["model"] == 1 and forwards["last_model_forward_because"] == \
+            "a forward hook is registered"
+        handle.remove()
+        engine.step()
+        assert forwards["direct"] == 4 and len(seen) == 1
+
+
 def test_a_module_swapped_in_after_load_runs(fresh):
     """A notebook replacing a layer's MLP after the check: the replacement (and a hook on a new
     leaf) runs, as in the model's own forward."""
