@@ -282,7 +282,7 @@ def to_huge_pages(model: Any) -> int:
 
     Why: a decode step at batch 1 streams every weight once, and with 4 KB pages that is a TLB miss
     every 4 KB (135,000 a token for SmolLM2's 538 MB); with 2 MB pages, 270. Measured on the
-    AVX2-only EPYC (benchmarks/weights_pages.py): 6% off a batch-1 step, the same bits. Like vLLM,
+    AVX2-only EPYC (benchmarks/weights_pages.py): 4-6% off a batch-1 step, the same bits. Like vLLM,
     the weights then live in the process's own memory (not shared through the page cache).
 
     Each parameter and buffer that owns its whole storage (plain, contiguous, CPU) gets a copy in
