@@ -79,3 +79,15 @@ print("loaded")
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "loaded", run.stderr[-2000:]
+
+
+def test_a_model_larger_than_half_the_available_memory_stays_in_its_file_mapping(monkeypatch):
+    # a private copy of a model the kernel can only page from its file would run the machine out of
+    # memory: such a model keeps the mapping (read once at load), as every model did before huge pages
+    from workbench.models import loader
+
+    monkeypatch.setattr(loader, "_available_bytes", lambda: 800 << 20)  # SmolLM2's 538 MB > 400 MB
+    lm = load_model("smollm2", device="cpu")
+    name, size_kb, fields = _mapping(lm.model.model.layers[3].mlp.up_proj.weight.data_ptr())
+    assert name.endswith(".safetensors"), f"the weights left the file mapping ({name!r})"
+    assert fields["Rss"] >= size_kb - 8

@@ -287,7 +287,8 @@ def to_huge_pages(model: Any) -> int:
 
     Each parameter and buffer that owns its whole storage (plain, contiguous, CPU) gets a copy in
     the mapping, 4 KB aligned; parameters that share a storage (tied embeddings) keep sharing it.
-    Everything else stays where it was."""
+    Everything else stays where it was. A model larger than half the memory available stays in its
+    file mapping (a private copy of it could exhaust memory where the mapping is paged)."""
     import torch
 
     if not huge_pages_available():
@@ -305,8 +306,8 @@ def to_huge_pages(model: Any) -> int:
     groups = [g for g in owners.values() if all(o.shape == g[0].shape and o.dtype == g[0].dtype for o in g)]
     sizes = [-(-g[0].numel() * g[0].element_size() // PAGE) * PAGE for g in groups]
     total = sum(sizes)
-    if total < HUGE_PAGE:
-        return 0
+    if total < HUGE_PAGE or total > _available_bytes() // 2:
+        return 0  # too small to matter, or a model that only fits as a file mapping the kernel pages
     whole = huge_page_bytes(total)
     offset = 0
     with torch.no_grad():
@@ -319,6 +320,18 @@ def to_huge_pages(model: Any) -> int:
                 t.data = view
             offset += size
     return offset
+
+
+def _available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (memory a new allocation may take without swapping or the OOM
+    killer; reclaimable page cache, such as the weights' file mapping, included); 0 where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def huge_page_bytes(nbytes: int) -> Any:
