@@ -233,6 +233,18 @@ def load_weights(folder: Path, dtype: str = "float32") -> Any:
 PAGE = 4096
 
 
+def _plain_cpu_tensors(model: Any) -> Any:
+    """The model's parameters and buffers that are plain, contiguous, non-empty CPU tensors: a
+    quantized tensor's byte view reads back as garbage (a sum over it crashed torch 2.13), and a
+    sparse one has no data of its own to read or move."""
+    import torch
+
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized and t.is_contiguous() \
+                and t.numel() > 0:
+            yield t
+
+
 def page_in(model: Any) -> None:
     """Make every page of a CPU model's weights resident now, once, at load. safetensors maps the
     file and transformers' tensors read from the mapping, so a weight's page is faulted in only when
@@ -244,11 +256,8 @@ def page_in(model: Any) -> None:
     import torch
 
     seen: set[int] = set()
-    for t in (*model.parameters(), *model.buffers()):
-        # plain strided tensors only: a quantized tensor's byte view reads back as garbage (a sum over
-        # it crashed torch 2.13); what is skipped comes in on first read, as before
-        if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or not t.is_contiguous() \
-                or t.numel() == 0 or t.data_ptr() in seen:
+    for t in _plain_cpu_tensors(model):  # what is skipped comes in on first read, as before
+        if t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
         try:
@@ -278,7 +287,7 @@ def huge_pages_available() -> bool:
 def to_huge_pages(model: Any) -> int:
     """Move a CPU model's weights out of safetensors' file mapping into one anonymous mapping backed
     by 2 MB transparent huge pages (`madvise(MADV_HUGEPAGE)`); returns the bytes moved (0 where
-    huge pages are unavailable: then `page_in` makes the mapping resident instead).
+    nothing moved, below: then `page_in` makes the mapping resident instead).
 
     Why: a decode step at batch 1 streams every weight once, and with 4 KB pages that is a TLB miss
     every 4 KB (135,000 a token for SmolLM2's 538 MB); with 2 MB pages, 270. Measured on the
@@ -293,15 +302,10 @@ def to_huge_pages(model: Any) -> int:
 
     if not huge_pages_available():
         return 0
-    owners: dict[int, list[torch.Tensor]] = {}
-    for t in (*model.parameters(), *model.buffers()):
-        if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or not t.is_contiguous() \
-                or t.numel() == 0 or t.storage_offset() != 0 \
-                or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            continue
-        group = owners.setdefault(t.data_ptr(), [])
-        if all(t is not other for other in group):
-            group.append(t)
+    owners: dict[int, list[torch.Tensor]] = {}  # (parameters() and buffers() each yield a tensor once)
+    for t in _plain_cpu_tensors(model):
+        if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+            owners.setdefault(t.data_ptr(), []).append(t)
     # only same-shaped, same-dtype sharers move together (anything odder stays put)
     groups = [g for g in owners.values() if all(o.shape == g[0].shape and o.dtype == g[0].dtype for o in g)]
     sizes = [-(-g[0].numel() * g[0].element_size() // PAGE) * PAGE for g in groups]
