@@ -130,3 +130,26 @@ def test_workbench_serve_prestarts_by_default() -> None:
     add_serve_args(parser)
     assert parser.parse_args([]).grammar_prestart is True
     assert parser.parse_args(["--no-grammar-prestart"]).grammar_prestart is False
+
+
+def test_a_worker_whose_server_left_during_its_start_exits_quietly() -> None:
+    """The server shut down while its grammar worker was still importing xgrammar: the worker's
+    "ready" meets a closed pipe. It exits 0 and writes nothing to the server's log (a traceback
+    there once failed the API-key log check of tests/server/test_server_hardening.py)."""
+    import os
+    import subprocess
+    import sys
+
+    import xgrammar as xgr
+
+    from workbench.engine.sample.grammar_worker import _write
+
+    info = xgr.TokenizerInfo(["a", "b", "</s>"], stop_token_ids=[2]).serialize_json()
+    frames, worker_end = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.engine.sample.grammar_worker"],
+                            stdin=subprocess.PIPE, stdout=worker_end, stderr=subprocess.PIPE)
+    os.close(worker_end)
+    os.close(frames)  # the server is gone before the worker says it is ready
+    _write(proc.stdin.fileno(), {"tokenizer_info": info, "memory_mb": 256})
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and err == b"", err.decode()[-2000:]

@@ -471,4 +471,13 @@ def _child() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_child())
+    try:
+        code = _child()
+    except BrokenPipeError:  # the server closed its end first (it shut down while this worker warmed up)
+        code = 0  # nobody is left to answer, and a traceback in the server's log would be noise
+    for stream in (sys.stdout, sys.stderr):  # fd 1 is stderr now: stray prints end up in the log
+        try:
+            stream.flush()
+        except OSError:
+            pass
+    os._exit(code)  # not sys.exit: the exit's flush of the frame pipe would raise again
