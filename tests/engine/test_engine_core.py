@@ -67,6 +67,31 @@ def test_the_kv_write_stores_what_index_copy_stores_and_refuses_a_slot_outside_t
         pool.write(0, torch.tensor([3, 41]), torch.randn(2, 3, 8).to(dtype), torch.randn(2, 3, 8).to(dtype))
 
 
+@pytest.mark.parametrize("slots", [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 9, 12], [5, 7, 6, 8, 9, 10]],
+                         ids=["consecutive", "last-apart", "two-swapped"])
+def test_a_lone_decode_rows_attention_plan_is_its_row_of_the_batch_plan(slots):
+    """Batch 1 builds its decode plan by a shorter path: the same KV slots, mask and length as the
+    row's part of a two-row plan, the same slot written to req_to_token, and the pool read in place
+    only where its slots are consecutive (a wrong answer there reads another request's KV)."""
+    from workbench.engine.run.forward_batch import RowSpec, _decode_plan
+
+    n = len(slots)
+    lone, pair = torch.zeros((2, 16), dtype=torch.int64), torch.zeros((2, 16), dtype=torch.int64)
+    for table in (lone, pair):
+        table[0, :n - 1] = torch.tensor(slots[:-1])
+        table[1, :3] = torch.tensor([30, 31, 32])
+    row, other = RowSpec("a", 0, n - 1, [1], 1), RowSpec("b", 1, 3, [1], 1)
+    one = _decode_plan([row], [n], lone, 0, [], torch.tensor(slots[-1:]))
+    two = _decode_plan([row, other], [n, 4], pair, 0, [], torch.tensor([slots[-1], 33]))
+    assert torch.equal(lone[0], pair[0]) and lone[0, n - 1] == slots[-1]
+    assert torch.equal(one.decode_kv_idx, two.decode_kv_idx[:1, :n]) and one.decode_kv_idx.tolist() == [slots]
+    assert torch.equal(one.decode_mask, two.decode_mask[:1, ..., :n]) and bool(one.decode_mask.all())
+    assert torch.equal(one.decode_lens, two.decode_lens[:1])
+    assert one.decode_run == (slots[0] if slots == list(range(slots[0], slots[0] + n)) else None)
+    lone[0, 0] = 99  # the plan holds its own copy: a later write to req_to_token does not reach it
+    assert one.decode_kv_idx[0, 0] == slots[0]
+
+
 def test_a_bad_kv_slot_order_names_the_parameter_and_the_choices(tiny):
     with pytest.raises(ValueError, match="kv_slot_order must be one of restart, fifo, got 'lifo'"):
         Engine(tiny, trace_level="off", kv_slot_order="lifo")
