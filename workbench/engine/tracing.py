@@ -74,6 +74,9 @@ def run_meta(config: dict[str, Any], model: dict[str, Any], tok: Any, level: str
     }
 
 
+_BATCH_LISTS = ("input_ids", "req_pool_indices", "seq_lens", "positions", "extend_prefix_lens", "extend_seq_lens")
+
+
 def _now() -> float:
     return time.perf_counter()
 
@@ -175,11 +178,11 @@ class TraceObserver:
         if sampling is not None:
             fb.sampling_info = sampling()
         info = fb.sampling_info
+        host = fb.host  # the lists the batch's tensors were made from (a copy each where a caller left them out)
+        ints = {name: list(host[name]) if name in host else getattr(fb, name).tolist() for name in _BATCH_LISTS}
         self.emit(ev.ForwardBatchBuilt(
             step=ctx.step, t=_now(), forward_mode=fb.forward_mode.value, batch_size=fb.batch_size,
-            input_ids=fb.input_ids.tolist(), req_pool_indices=fb.req_pool_indices.tolist(),
-            seq_lens=fb.seq_lens.tolist(), out_cache_loc=fb.out_cache_loc.tolist(), positions=fb.positions.tolist(),
-            extend_prefix_lens=fb.extend_prefix_lens.tolist(), extend_seq_lens=fb.extend_seq_lens.tolist(),
+            out_cache_loc=fb.out_cache_loc.tolist(), **ints,
             return_logprob=fb.return_logprob, top_logprobs_nums=list(fb.top_logprobs_nums), req_ids=list(fb.req_ids),
             sampling_info=info.summary() if info is not None else [], model=model,
             attention=self.attention(model, fb.layer_limit)))
@@ -203,13 +206,13 @@ class TraceObserver:
         # One device-to-host transfer per quantity for the whole batch (a per-row .tolist() syncs a GPU each time).
         # softmax and log-softmax keep the order of the logits: one top-k serves every list
         if sample.stages is not None:
-            top_ids = torch.tensor([row[0]["top_ids"] for row in sample.stages], dtype=torch.int64,
-                                   device=logits.device)
-            top_vals = logits.gather(1, top_ids)
+            top_ids = [list(row[0]["top_ids"]) for row in sample.stages]  # the Logits events own their lists
+            index = torch.tensor(top_ids, dtype=torch.int64, device=logits.device)
+            top_vals = logits.gather(1, index).tolist()
         else:
-            top_vals, top_ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
-        lp_vals = lp.gather(1, top_ids)
-        top_vals, top_ids, lp_vals = (x.cpu().tolist() for x in (top_vals, top_ids, lp_vals))
+            top_vals, index = logits.topk(min(k, logits.shape[-1]), dim=-1)
+            top_vals, top_ids = top_vals.tolist(), index.tolist()
+        lp_vals = lp.gather(1, index).tolist()
         if sample.stages is not None:  # the sampler's first record is the model's own distribution
             entropy = [row[0]["entropy"] for row in sample.stages]
         else:

@@ -78,6 +78,9 @@ class ForwardBatch:
     # (batch index, position) of the kept rows after the sampling rows: logits for prompt logprobs
     prompt_logprob_rows: list[tuple[int, int]] = field(default_factory=list)
     capture: Any = None  # a capture.ForwardCapture when a captured request samples in this forward
+    # the lists the int64 tensors above were made from, by field name (what a traced step records
+    # without a tensor-to-list copy each); the tensors are not changed after the build
+    host: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -122,13 +125,15 @@ def build_forward_batch(mode: ForwardMode, rows: list[RowSpec], memory: Memory, 
     attn = _decode_plan(rows[first_decode:], seq_lens[first_decode:], table, decode_start, extend_rows,
                         out_cache_loc[decode_start:])
     as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+    host = {"input_ids": input_ids, "req_pool_indices": [r.req_pool_idx for r in rows], "seq_lens": seq_lens,
+            "positions": positions, "extend_prefix_lens": [r.prefix_len for r in rows], "extend_seq_lens": lengths}
     return ForwardBatch(
         forward_mode=mode, batch_size=len(rows), input_ids=as_t(input_ids),
-        req_pool_indices=as_t([r.req_pool_idx for r in rows]), seq_lens=as_t(seq_lens),
+        req_pool_indices=as_t(host["req_pool_indices"]), seq_lens=as_t(seq_lens),
         out_cache_loc=out_cache_loc.to(device), positions=as_t(positions),
-        extend_prefix_lens=as_t([r.prefix_len for r in rows]), extend_seq_lens=as_t(lengths),
+        extend_prefix_lens=as_t(host["extend_prefix_lens"]), extend_seq_lens=as_t(lengths),
         req_ids=[r.req_id for r in rows], logits_rows=as_t(keep + prompt_keep), logits_owner=owner, attn=attn,
-        memory=memory, prompt_logprob_rows=prompt_rows,
+        memory=memory, prompt_logprob_rows=prompt_rows, host=host,
     )
 
 

@@ -44,12 +44,13 @@ def token_logprobs(lp: torch.Tensor, chosen: torch.Tensor, top_k: int,
     known = set(argmax_rows)
     others = [r for r in range(rows) if r not in known]
     if len(others) == rows:
-        ranks = _ranks(lp, picked)
+        ranks = _ranks(lp, picked).tolist()
     else:
-        ranks = torch.ones(rows, dtype=torch.int64)
+        ranks = [1] * rows
         if others:
             index = torch.tensor(others, dtype=torch.int64, device=lp.device)
-            ranks[others] = _ranks(lp[index], picked[index]).cpu()
+            for r, rank in zip(others, _ranks(lp[index], picked[index]).tolist(), strict=True):
+                ranks[r] = rank
     tops: list[list[tuple[int, float]]] = [[] for _ in range(rows)]
     if top_k > 0:
         vals, ids = lp.topk(min(top_k, lp.shape[-1]), dim=-1)
@@ -60,7 +61,7 @@ def token_logprobs(lp: torch.Tensor, chosen: torch.Tensor, top_k: int,
             if ids_r:
                 vals = lp[r, torch.tensor(list(ids_r), device=lp.device)].tolist()
                 named[r] = dict(zip((int(t) for t in ids_r), vals))
-    return TokenLogprobs(picked.tolist(), ranks.tolist(), tops, named)
+    return TokenLogprobs(picked.tolist(), ranks, tops, named)
 
 
 def _ranks(lp: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
