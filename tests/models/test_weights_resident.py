@@ -60,6 +60,24 @@ def test_smollm2s_weights_sit_in_huge_pages_with_the_same_values():
     assert fields["AnonHugePages"] >= 0.9 * weights_kb, f"{fields['AnonHugePages']} KB of {weights_kb} in huge pages"
 
 
+@pytest.mark.skipif(not huge_pages_available(), reason="this system offers no transparent huge pages")
+def test_a_one_shot_workbench_generate_leaves_the_weights_in_their_file_mapping():
+    # the copy into huge pages cost 0.75-1.5 s in a fresh process here (the kernel compacting memory
+    # into 2 MB blocks), more than a one-shot run's few hundred batch-1 tokens win back
+    import argparse
+
+    from workbench.cli.generate import _make_engine, add_generate_args
+
+    parser = argparse.ArgumentParser()
+    add_generate_args(parser)
+    engine = _make_engine(parser.parse_args(["hello", "--model", "smollm2", "--device", "cpu"]))
+    try:
+        name, _, _ = _mapping(engine.loaded.model.model.layers[3].mlp.up_proj.weight.data_ptr())
+        assert name.endswith(".safetensors"), f"the weights were copied out of the file ({name!r})"
+    finally:
+        engine.close()
+
+
 def test_tensors_without_a_plain_byte_view_are_left_to_their_first_read():
     # A quantized buffer's byte view crashed the process when summed (torch 2.13), so a model holding
     # one failed to load; a sparse one has no data pointer of its own. Run in a child: a crash is a failure.
