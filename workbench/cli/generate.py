@@ -68,10 +68,9 @@ def _make_engine(args: argparse.Namespace, trace: str | None = None):
 
     with loading(args.model), gc_paused():  # torch's and the engine's imports too (loader.gc_paused)
         from workbench.engine.engine import Engine
-        from workbench.engine.run import fastmode
         from workbench.models.loader import load_model
 
-        fastmode.check(getattr(args, "kernels", "exact"))  # a bad value fails before the model loads
+        # (--kernels is one of argparse's choices: a bad value failed before here)
         # a one-shot run keeps the weights in their file mapping: the copy into huge pages costs
         # 0.2-1.5 s at load (the most where the kernel must first compact memory into 2 MB blocks)
         # and saves 4-6% of a batch-1 step, which a run of a few hundred tokens does not pay back
