@@ -104,7 +104,7 @@ def test_a_model_larger_than_half_the_available_memory_stays_in_its_file_mapping
     # memory: such a model keeps the mapping (read once at load), as every model did before huge pages
     from workbench.models import loader
 
-    monkeypatch.setattr(loader, "_available_bytes", lambda: 800 << 20)  # SmolLM2's 538 MB > 400 MB
+    monkeypatch.setattr(loader, "available_bytes", lambda: 800 << 20)  # SmolLM2's 538 MB > 400 MB
     lm = load_model("smollm2", device="cpu")
     name, size_kb, fields = _mapping(lm.model.model.layers[3].mlp.up_proj.weight.data_ptr())
     assert name.endswith(".safetensors"), f"the weights left the file mapping ({name!r})"

@@ -310,7 +310,7 @@ def to_huge_pages(model: Any) -> int:
     groups = [g for g in owners.values() if all(o.shape == g[0].shape and o.dtype == g[0].dtype for o in g)]
     sizes = [-(-g[0].numel() * g[0].element_size() // PAGE) * PAGE for g in groups]
     total = sum(sizes)
-    if total < HUGE_PAGE or total > _available_bytes() // 2:
+    if total < HUGE_PAGE or total > available_bytes() // 2:
         return 0  # too small to matter, or a model that only fits as a file mapping the kernel pages
     whole = huge_page_bytes(total)
     offset = 0
@@ -326,16 +326,17 @@ def to_huge_pages(model: Any) -> int:
     return offset
 
 
-def _available_bytes() -> int:
+def available_bytes() -> int:
     """MemAvailable of /proc/meminfo (memory a new allocation may take without swapping or the OOM
-    killer; reclaimable page cache, such as the weights' file mapping, included); 0 where unknown."""
+    killer; reclaimable page cache, such as the weights' file mapping, included); where there is
+    none, the free physical pages."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return 0
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def huge_page_bytes(nbytes: int) -> Any:

@@ -26,6 +26,7 @@ from workbench.engine.kernels import native
 from workbench.engine.kernels.book import BOOK, Book
 from workbench.engine.kernels.native import lock, mkl
 from workbench.engine.kernels.verdict import Verdict
+from workbench.models.loader import available_bytes
 
 PACKED, SPLIT, ROWDOT, BLOCKED = "packed", "split", "rowdot", "blocked"  # the replacements of F.linear
 LINEAR = "F.linear"  # the op they replace, which the race also enters
@@ -548,7 +549,7 @@ def pack_linears(model: torch.nn.Module, budget_bytes: int | None = None, book: 
         return 0
     need = sum(lib.cblas_sgemm_pack_get_size(_B_MATRIX, 64, *m.weight.shape) for m in linears)
     if budget_bytes is None:
-        budget_bytes = _available_memory() // 4
+        budget_bytes = available_bytes() // 4
     if need > budget_bytes:
         return 0
     weight_bytes = sum(_nbytes(m.weight) for m in linears)
@@ -560,14 +561,3 @@ def pack_linears(model: torch.nn.Module, budget_bytes: int | None = None, book: 
     return need
 
 
-def _available_memory() -> int:
-    import os
-
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
