@@ -82,9 +82,9 @@ _ALL = [
     Replacement("sample.entropy", "the traced sampler's entropy of each row, -(p * lp).sum(-1) (torch)",
                 "wb_entropy (kernels/c/layer_ops.c): the products summed in torch's order (its sum kernel's "
                 "cascade, a long row cut at its parallel grain as two threads cut it)", IDENTICAL, ("threads",),
-                MACHINE, ("workbench.engine.kernels.sampling",), native=True, on_disk="none",
+                MACHINE, ("workbench.engine.kernels.sampling",), native=True, on_disk="passed",
                 note="vocabularies of 64 or more; each vector width tried on 18 probe batches (1-32 rows, 64 to "
-                "151936 tokens), the first matching all kept (lanes in facts); checked in every process"),
+                "151936 tokens), the first matching all kept (lanes in facts); 0.15 s, so kept on disk"),
     Replacement("sample.topk", "torch.topk of the traced sampler's distributions (values, ids, tie order)",
                 "wb_topk (kernels/c/topk.c): libstdc++'s partial_sort, which torch.topk runs, replayed on a "
                 "k-sized heap", IDENTICAL, (), MACHINE, ("workbench.engine.kernels.sampling",), native=True,
@@ -95,10 +95,10 @@ _ALL = [
                 "wb_log_softmax (kernels/c/layer_ops.c): ATen's steps per row at its vector width (the maximum, "
                 "SLEEF's exp summed in vec::map_reduce_all's order, SLEEF's log), the argmax from the same maximum; "
                 "one row cut between the threads (the exps of its later parts added after the first's, in order)",
-                IDENTICAL, (), MACHINE, ("workbench.engine.kernels.sampling",), native=True, on_disk="none",
+                IDENTICAL, (), MACHINE, ("workbench.engine.kernels.sampling",), native=True, on_disk="passed",
                 note="vocabularies of 64 or more; rows with a NaN or an infinite maximum go to torch; each width (16 "
                 "and 8 lanes) tried on 97 probes (32 batches of 4 rows, 65 rows alone), the first matching all kept "
-                "(lanes in facts); checked in every process"),
+                "(lanes in facts); 0.1 s, so kept on disk"),
     Replacement("sample.model_record", "the traced sampler's record of each row's own distribution: lp.exp(), "
                 "torch.topk of it and -(p * lp).sum(-1) (three passes over an [R, V] tensor)",
                 "wb_log_softmax with k (kernels/c/layer_ops.c): in the same pass per row, 16384 floats at a time "
@@ -106,8 +106,8 @@ _ALL = [
                 "sample.entropy sum; one row cut between the threads at torch's entropy chunks (the parts' top-k "
                 "merged by replaying each later part's entrants)",
                 IDENTICAL, ("threads",), MACHINE, ("workbench.engine.kernels.sampling",), native=True,
-                on_disk="none", note="where sample.log_softmax, sample.topk and sample.entropy apply; compared on "
-                "the 97 probes at each k that applies; checked in every process"),
+                on_disk="passed", note="where sample.log_softmax, sample.topk and sample.entropy apply; compared on "
+                "the 97 probes at each k that applies; 0.4 s, so kept on disk"),
     Replacement("norm.rms", "transformers' RMSNorm forward (pow, mean, add, rsqrt, two muls) and the residual add "
                 "before it", "one C pass per row (kernels/c/layer_ops.c) in torch's own order for the mean's sum",
                 IDENTICAL, ("class", "hidden", "eps"), MACHINE, ("workbench.engine.kernels.layer_ops",), native=True,
