@@ -13,8 +13,6 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import early_peers
-
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -141,27 +139,11 @@ def browser():
 # fails the test with its exit status and log instead of a refused connection.
 
 
-# vLLM's server and rollouts script start when collection ends, in the idle core (early_peers.py).
-
-
-def pytest_collection_finish(session):
-    if not session.config.option.collectonly:
-        early_peers.start_for(session.items)
-
-
-def pytest_sessionfinish(session, exitstatus):
-    early_peers.stop_all()
-
-
 @pytest.fixture(scope="session")
 def otlp_receiver():
     """The OTLP/HTTP span receiver the session's vLLM exports to (attach it to probe runs)."""
     from workbench.external.otlp import OtlpReceiver
 
-    early = early_peers.receiver()
-    if early is not None:  # closed with the early server at the session's end
-        yield early
-        return
     with OtlpReceiver() as receiver:
         yield receiver
 
@@ -169,11 +151,11 @@ def otlp_receiver():
 @pytest.fixture(scope="session")
 def vllm_server(otlp_receiver):
     """vLLM's CPU build serving SmolLM2 (fp32) with its OpenTelemetry export pointed at `otlp_receiver`."""
-    early = early_peers.take("vllm_server")
-    if early is not None:  # stopped at the session's end
-        yield early
-        return
-    with early_peers.vllm_server(otlp_receiver.endpoint) as server:
+    from workbench.external.peers import VllmServer
+
+    # --enforce-eager: no torch.compile at start-up (32 s to ready instead of 87 s on the 2-core EPYC);
+    # what these tests check (recording, watching, floors) is the server's API, not its speed
+    with VllmServer(otlp_endpoint=otlp_receiver.endpoint, extra_args=["--enforce-eager"]) as server:
         yield server
 
 

@@ -6,8 +6,8 @@ requests are sent twice (and says so in figures); `resend` sends the same traffi
 `diff` names every request whose tokens differ, with a verdict against that floor; rollouts made
 with vLLM's Python API (in its own venv, `processed_logprobs` mode) import and `check` scores them
 with importance ratios: at temperature 1 no token is clipped or dropped, at 0.6 the processed
-logprobs are (and the check says that is why). The vLLM script starts when collection ends and
-loads while the other tests run (tests/helpers/early_peers.py).
+logprobs are (and the check says that is why). The vLLM script starts first and loads while the
+other tests run.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,13 +24,13 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import early_peers
 from tests.helpers.prompts import CHAT, PLAIN
 from workbench.external.floor import Floor, load_floor, measure_floor
 from workbench.external.records import ProbeRequest
 from workbench.trace.reader import open_trace
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 12  # llama.cpp's server answers one request at a time: keep its share of the suite short
 
 
@@ -50,13 +51,29 @@ def _requests() -> list[ProbeRequest]:
     return reqs
 
 
+@dataclass(slots=True)
+class Rollouts:
+    proc: subprocess.Popen
+    out: Path
+    log: Path
+
+
 @pytest.fixture(scope="module")
 def vllm_rollouts(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """vLLM's Python API generating rollouts (tests/helpers/vllm_rollouts.py): started when collection
-    ended (tests/helpers/early_peers.py), or here, and awaited by the test that reads them."""
-    rollouts = early_peers.take("vllm_rollouts") or early_peers.start_rollouts(tmp_path_factory.mktemp("rollouts"))
-    yield rollouts
-    rollouts.stop()
+    """vLLM's Python API generating rollouts (tests/vllm_rollouts.py), started at once, awaited later."""
+    from workbench.external.peers import peer_python, smollm2_folder
+
+    folder = tmp_path_factory.mktemp("rollouts")
+    out, log = folder / "rollouts.jsonl", folder / "vllm_rollouts.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([str(peer_python("vllm")), "-P", str(ROOT / "tests" / "helpers" / "vllm_rollouts.py"),
+                                 str(smollm2_folder()), str(out)], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    yield Rollouts(proc, out, log)
+    if proc.poll() is None:
+        os.killpg(proc.pid, 15)
+        proc.wait(30)
 
 
 @pytest.fixture(scope="module")
