@@ -85,7 +85,7 @@ def stored_bytes(path: str) -> tuple[int, int, int]:
 def capture_on(args: argparse.Namespace) -> dict:
     from workbench.models import load_model
 
-    loaded = load_model(args.model, device="cpu")
+    loaded = load_model(args.model, device="cpu", huge_pages=True)
     prompts = chat_prompts(args.prompts)
     rounds, sizes = [], None
     with tempfile.TemporaryDirectory(prefix="capture-on-") as tmp:

@@ -85,7 +85,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from workbench.models import load_model
 
-    loaded = load_model(args.model, device="cpu")
+    loaded = load_model(args.model, device="cpu", huge_pages=True)
     rows = {b: measure(loaded, b, args.steps) for b in args.batches}
     print(f"\nforward of one decode step (ms, median of {2 * args.steps}), {args.model}, {torch.get_num_threads()} "
           f"threads, {platform.processor() or platform.machine()}\n")

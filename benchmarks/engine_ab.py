@@ -28,7 +28,7 @@ from workbench.models import load_model
 import workbench
 assert workbench.__file__.startswith({tree!r}), workbench.__file__
 import time
-loaded = load_model({model!r}, device="cpu")
+loaded = load_model({model!r}, device="cpu", huge_pages=True)
 cpu = time.process_time()
 r = bench_engine(loaded, chat_prompts({prompts}), {new}, trace_level={trace!r}, **{extra!r})
 r["cpu_s"] = time.process_time() - cpu  # includes the engine's set-up and a 2-prompt warm-up

@@ -60,7 +60,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from workbench.models import load_model
 
-    loaded = load_model(args.model, device="cpu")
+    loaded = load_model(args.model, device="cpu", huge_pages=True)
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     rows: dict[str, dict[int, float]] = {name: {} for name in CONFIGS}
     for b in args.batches:

@@ -422,7 +422,7 @@ def main() -> int:
     from workbench.server.event_hub import EventHub
     from workbench.trace.store import TraceWriter
 
-    loaded = load_model(MODEL, device="cpu")
+    loaded = load_model(MODEL, device="cpu", huge_pages=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / "secret.txt").write_text(SECRET)

@@ -237,7 +237,7 @@ def main() -> None:
     run_capped(args.isa)
     from workbench.models import load_model
 
-    limits = measure(load_model(args.model, device="cpu").model)
+    limits = measure(load_model(args.model, device="cpu", huge_pages=True).model)
     print("\n".join(limits.lines()))
 
 

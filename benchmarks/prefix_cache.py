@@ -71,7 +71,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, huge_pages=True)
     best: dict[bool, list[dict]] = {}
     tokens: dict[bool, list] = {}
     caches = []

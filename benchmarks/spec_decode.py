@@ -98,7 +98,7 @@ def main() -> int:
 
     from workbench.models import load_model
 
-    loaded = load_model(args.model, device=args.device)
+    loaded = load_model(args.model, device=args.device, huge_pages=True)
     results = []
     print(f"{args.model} on {loaded.device} ({loaded.dtype}), torch {torch.__version__}, {torch.get_num_threads()} "
           f"threads, {args.new} new tokens, {args.prompts} prompts per workload")

@@ -251,7 +251,7 @@ def main() -> None:
 
     from workbench.models import load_model
 
-    loaded = load_model(args.model, device="cpu")
+    loaded = load_model(args.model, device="cpu", huge_pages=True)
     cols = [*PARTS, "schedule", "python", "step_mean", "step_median"]
     rows = {}
     for b in args.batches:

@@ -199,7 +199,7 @@ def main() -> None:
     from workbench.engine.prompts import tokenize_prompt
     from workbench.models import load_model
 
-    loaded = load_model(args.model, device=args.device)
+    loaded = load_model(args.model, device=args.device, huge_pages=True)
     vocab = int(loaded.model.config.vocab_size)
     wanted = [p for p in args.peers if p != "none"] if args.device == "cpu" else []
     scenarios = [(b, eos) for b in args.batch for eos in {"both": (False, True), "ignore_eos": (False,),

@@ -78,7 +78,7 @@ def main() -> None:
 
     from workbench.models import load_model
 
-    loaded = load_model(args.model, device="cpu")
+    loaded = load_model(args.model, device="cpu", huge_pages=True)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for batch in args.batches:

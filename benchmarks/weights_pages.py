@@ -46,8 +46,8 @@ def main() -> None:
 
     if not huge_pages_available():
         sys.exit("this system offers no transparent huge pages (Linux with THP not `never`): nothing to compare")
-    small = load_model(args.model, device="cpu", huge_pages=False)
-    huge = load_model(args.model, device="cpu")
+    small = load_model(args.model, device="cpu")
+    huge = load_model(args.model, device="cpu", huge_pages=True)
     rows = []
     for batch in args.batches:
         steps = 16 if batch < 8 else 4

@@ -70,10 +70,9 @@ def _make_engine(args: argparse.Namespace, trace: str | None = None):
         from workbench.engine.engine import Engine
         from workbench.models.loader import load_model
 
-        # (argparse's choices refused a bad --kernels before this load.) A one-shot run keeps the weights in their file mapping: the copy into huge pages costs
-        # 0.2-1.5 s at load (the most where the kernel must first compact memory into 2 MB blocks)
-        # and saves 4-6% of a batch-1 step, which a run of a few hundred tokens does not pay back
-        loaded = load_model(args.model, device=args.device, huge_pages=False)
+        # (argparse's choices refused a bad --kernels before this load.) A one-shot run keeps the
+        # weights in their file mapping (load_model's default: the huge-page copy does not pay back)
+        loaded = load_model(args.model, device=args.device)
         return Engine(loaded, device=args.device, spec=args.spec, chunk_size=args.chunk_size,
                   max_batch_tokens=args.max_batch_tokens, trace=trace if trace is not None else args.trace,
                   trace_level=args.trace_level if (trace or args.trace) else "off",

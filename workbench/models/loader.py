@@ -354,10 +354,14 @@ def huge_page_bytes(nbytes: int) -> Any:
     return torch.frombuffer(area, dtype=torch.uint8)[start:start + nbytes]
 
 
-def load_model(spec: str, device: str = "auto", dtype: str | None = None, huge_pages: bool = True) -> LoadedModel:
+def load_model(spec: str, device: str = "auto", dtype: str | None = None, huge_pages: bool = False) -> LoadedModel:
     """Load a model spec onto a device: float32 on CPU, bfloat16 on CUDA unless `dtype` says otherwise.
-    On CPU the weights move to huge pages (`to_huge_pages`) unless `huge_pages` is False or the system
-    has none; otherwise they stay in safetensors' file mapping, made resident (`page_in`)."""
+    On CPU the weights stay in safetensors' file mapping, made resident (`page_in`); with `huge_pages`
+    (what `workbench serve` asks for) they move to huge pages (`to_huge_pages`) where the system has them.
+
+    Not by default: on a VM the first touch of free 2 MB blocks can wait on the host (1-9 s for
+    SmolLM2's 538 MB on the 2-core EPYC VMs, measured 2026-12-07), which a run must decode thousands
+    of batch-1 tokens to win back at 4-6% a step."""
     from transformers import AutoTokenizer
 
     device = pick_device(device)
