@@ -248,7 +248,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
     # a server decodes for hours: its weights in 2 MB pages take 4-6% off every batch-1 step, which
     # wins back the copy's 1-9 s at load (load_model) within minutes of traffic
     with gc_paused():  # as the Engine's own load (loader.gc_paused)
-        loaded = load_model(args.model, device=args.device, huge_pages=True)
+        loaded = load_model(args.model, device=args.device, dtype=engine_kw["dtype"], huge_pages=True)
     engine = Engine(loaded, device=args.device, trace_level=args.trace_level, trace_sinks=sinks,
                     prefix_sharing=getattr(args, "prefix_sharing", True), **engine_kw)
     app = create_app(engine, model_name=args.served_model_name or args.model, hub=hub, trace_dir=trace_dir,
