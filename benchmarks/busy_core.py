@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -26,19 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 POLICIES = {"libgomp's default (spin, then sleep)": None, "OMP_WAIT_POLICY=PASSIVE (sleep at once)": "PASSIVE"}
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    flags = open("/proc/cpuinfo").read()
-                    isa = "AVX512" if " avx512f" in flags else "AVX2 only" if " avx2" in flags else "no AVX2"
-                    return f"{line.split(':', 1)[1].strip()} ({isa})"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def child(model: str, batches: list[int], steps: int) -> dict[str, float]:
@@ -83,7 +69,9 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.model, args.batches, args.steps)))
         return
-    print(f"{cpu_name()}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+    from benchmarks.throughput import cpu_flags, cpu_model
+
+    print(f"{cpu_model()} ({cpu_flags()}), {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"load average {os.getloadavg()[0]:.2f}")
     rows = {}
     for load in ("quiet", "one core busy"):

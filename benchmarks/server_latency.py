@@ -130,9 +130,8 @@ def main() -> int:
     engine = None
     if args.engine_baseline:
         from workbench.engine.engine import Engine
-        from workbench.models.loader import load_model
 
-        engine = Engine(load_model(args.model, device="cpu", huge_pages=True), trace_level=args.trace_level)  # as serve loads
+        engine = Engine(args.model, trace_level=args.trace_level, huge_pages=True)  # as serve loads
     server = ServerProcess(["--model", args.model, "--trace-level", args.trace_level, "--log-level", "warning"],
                            cwd=str(ROOT)).start()
     url = server.url

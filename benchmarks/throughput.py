@@ -248,11 +248,11 @@ def main() -> None:
 def report(args, loaded, limits, rounds: dict) -> None:
     from benchmarks import limits as limits_mod
 
-    cpu = _cpu_model()
-    print(f"\n{args.model} {loaded.dtype} on {cpu} ({_cpu_flags()}){limits_mod.isa_label()}, {torch.get_num_threads()} threads, {args.repeat} rounds, "
+    cpu = cpu_model()
+    print(f"\n{args.model} {loaded.dtype} on {cpu} ({cpu_flags()}){limits_mod.isa_label()}, {torch.get_num_threads()} threads, {args.repeat} rounds, "
           f"load average {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d')}")
     print("\n".join(limits.lines()))
-    out = {"args": vars(args), "cpu": cpu, "cpu_flags": _cpu_flags(), "isa": limits_mod.isa_label(), "limits": {**{k: getattr(limits, k) for k in limits.__slots__},
+    out = {"args": vars(args), "cpu": cpu, "cpu_flags": cpu_flags(), "isa": limits_mod.isa_label(), "limits": {**{k: getattr(limits, k) for k in limits.__slots__},
                                                       "floor_tok_s": limits.floor_tok_s,
                                                       "ceiling_tok_s": limits.ceiling_tok_s,
                                                       "peak_tok_s": limits.peak_tok_s}, "scenarios": []}
@@ -300,7 +300,7 @@ def report(args, loaded, limits, rounds: dict) -> None:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """The vector extensions that decide MKL's and the kernels' code paths on this CPU."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
@@ -311,7 +311,7 @@ def _cpu_flags() -> str:
     return " ".join(shown) or "no AVX2"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

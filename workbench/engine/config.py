@@ -66,6 +66,7 @@ class EngineArgs:
 
     device: str = "auto"  # auto, cpu or cuda[:N]
     dtype: str | None = None  # None: the model's (float32 on CPU, bfloat16 on CUDA)
+    huge_pages: bool = False  # CPU weights copied into 2 MB pages at load (models/loader.load_model): serve's choice
     max_batch_tokens: int = 2048  # tokens one forward may hold (prefill chunks + decodes)
     chunk_size: int = 512  # a prompt is prefilled in chunks of at most this many tokens
     kv_tokens: int | None = None  # KV pool slots; None: max_running x context, capped at 1 GiB of KV

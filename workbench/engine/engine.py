@@ -73,7 +73,8 @@ class Engine:
         spec, trace_topk = a.spec, a.trace_topk
         fastmode.check(kernels)  # a bad value fails before the model loads
         with gc_paused():  # the load allocates much and frees little (loader.gc_paused)
-            self.loaded = model if isinstance(model, LoadedModel) else load_model(model, device=a.device, dtype=a.dtype)
+            self.loaded = model if isinstance(model, LoadedModel) else \
+                load_model(model, device=a.device, dtype=a.dtype, huge_pages=a.huge_pages)
             self.runner = ModelRunner(self.loaded, kernels=kernels)
         self.tokenizer = self.loaded.tokenizer
         self.device = self.loaded.device

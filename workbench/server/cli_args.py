@@ -217,7 +217,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
     """(engine, app) as `run_serve` builds them; tests and benchmarks reuse it."""
     from workbench.engine.engine import Engine
-    from workbench.models.loader import gc_paused, load_model
     from workbench.server.app import create_app
     from workbench.server.event_hub import EventHub
     from workbench.server.output_buffer import StreamLimits
@@ -247,10 +246,8 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
         sinks.append(writer)
     # a server decodes for hours: its weights in 2 MB pages take 4-6% off every batch-1 step, which
     # wins back the copy's 1-9 s at load (load_model) within minutes of traffic
-    with gc_paused():  # as the Engine's own load (loader.gc_paused)
-        loaded = load_model(args.model, device=args.device, dtype=engine_kw["dtype"], huge_pages=True)
-    engine = Engine(loaded, device=args.device, trace_level=args.trace_level, trace_sinks=sinks,
-                    prefix_sharing=getattr(args, "prefix_sharing", True), **engine_kw)
+    engine = Engine(args.model, device=args.device, trace_level=args.trace_level, trace_sinks=sinks,
+                    prefix_sharing=getattr(args, "prefix_sharing", True), huge_pages=True, **engine_kw)
     app = create_app(engine, model_name=args.served_model_name or args.model, hub=hub, trace_dir=trace_dir,
                      trace_writer=writer, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      default_max_tokens=args.default_max_tokens, close_engine=True, stream_limits=limits,
