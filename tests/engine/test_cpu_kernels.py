@@ -270,10 +270,11 @@ def test_a_one_row_kernel_off_by_one_ulp_is_refused_and_f_linear_runs(monkeypatc
 
 
 @pytest.mark.skipif(native.mkl() is None or native.load() is None, reason=NO_MKL + " or no C compiler")
-@pytest.mark.parametrize("rows", [4, 8, 17, 33, 64])
+@pytest.mark.parametrize("rows", [4, 5, 8, 9, 11, 17, 33, 64])
 def test_the_blocked_kernel_gives_f_linears_bits_at_decode_batch_sizes(rows, monkeypatch, torch_threads):
     # Decode batches: the output is F.linear's bits; the blocked kernel ran for exactly the layers
-    # whose check found MKL's block order on this CPU at this row count.
+    # whose check found MKL's block order on this CPU at this row count (at 5 and 9-11 rows on the
+    # AVX512 EPYC, a split one: MKL's last rows in its one-row order).
     _fixed_race(monkeypatch, {gemm.BLOCKED: 1.0, gemm.SPLIT: 2.0, gemm.PACKED: 3.0, gemm.LINEAR: 4.0})
     calls = _count_calls(monkeypatch, "blocked_compute")
     torch_threads(2)
@@ -292,7 +293,7 @@ def test_the_blocked_kernel_gives_f_linears_bits_at_decode_batch_sizes(rows, mon
     verdicts = {k[1]: v for k, v in checks.tables["linear.blocked"].items() if k[3] == rows}
     assert sorted(verdicts) == [200, 576, 1536]
     for v in verdicts.values():
-        assert not v.ok or tuple(v.facts["order"]) in gemm.BLOCKED_ORDERS
+        assert not v.ok or gemm.blocked_order_known(tuple(v.facts["order"]))
     assert len(calls) == sum(v.ok for v in verdicts.values())
     assert [m.forward.route(rows) == gemm.BLOCKED for m in fast] == [verdicts[m.in_features].ok for m in fast]
 
@@ -325,8 +326,8 @@ def test_the_blocked_kernel_built_without_avx512_gives_the_same_bits(tmp_path):
     if lib is None:
         pytest.fail("the C kernels did not build: this machine's compiler is what the engine uses")
     out = tmp_path / "rows_avx2.so"
-    src = Path(native.__file__).parent / "c" / "linear_rows.c"
-    build = subprocess.run([native.compiler(), *native.FLAGS, "-mno-avx512f", str(src), "-o", str(out), "-lm"],
+    src = [str(Path(native.__file__).parent / "c" / name) for name in ("linear_rows.c", "linear_rowdot.c")]
+    build = subprocess.run([native.compiler(), *native.FLAGS, "-mno-avx512f", *src, "-o", str(out), "-lm"],
                            capture_output=True, text=True, timeout=120)
     assert build.returncode == 0, build.stderr[-2000:]
     avx2 = ctypes.CDLL(str(out))
@@ -357,6 +358,32 @@ def test_the_one_row_kernel_sums_every_product_in_any_order_it_takes():
             assert torch.allclose(y, w @ x, rtol=1e-5, atol=1e-5), (n, off, p, lanes)
     for p, lanes in ((0, 3), (-2, 4)):  # 3 lanes is not a width the kernel has; -1 is the only negative
         assert lib.wb_linear_rowdot(base.data_ptr(), x.data_ptr(), None, y.data_ptr(), 8, 10, p, lanes, 0, 2) == -1
+
+
+def test_several_rows_through_the_one_row_order_give_each_row_the_one_row_kernels_bits():
+    # What a split order runs past the blocked kernel's rows (MKL's last rows at 5-7 and 9-11 rows on
+    # the AVX512 EPYC): every input row's outputs are the one-row kernel's, bit for bit, in every
+    # order, however many rows (blocks of up to four a pass) and weight rows (a short last block).
+    lib = native.load()
+    if lib is None:
+        pytest.fail("the C kernels did not build: this machine's compiler is what the engine uses")
+    torch.manual_seed(0)
+    base, bias = torch.randn(37 * 100 + 3), torch.randn(37)
+    for n, off in ((8, 0), (37, 1), (37, 2)):  # rows at different 16-byte alignments, a short last block
+        w = base[off:off + n * 100].view(n, 100)
+        for t in (1, 3, 4, 5, 9):
+            x = torch.randn(t, 100) * 4
+            for p, lanes, fma in ((0, 4, 0), (-1, 4, 0), (4, 8, 1), (-1, 16, 0), (0, 16, 1)):
+                b = bias[:n] if fma else None
+                got = torch.full((t, n), float("nan"))
+                assert lib.wb_linear_rowdot_rows(w.data_ptr(), x.data_ptr(), None if b is None else b.data_ptr(),
+                                                 got.data_ptr(), t, n, 100, p, lanes, fma, 2) == 0
+                for r in range(t):
+                    want = torch.full((n,), float("nan"))
+                    assert lib.wb_linear_rowdot(w.data_ptr(), x[r].data_ptr(), None if b is None else b.data_ptr(),
+                                                want.data_ptr(), n, 100, p, lanes, fma, 2) == 0
+                    assert torch.equal(got[r], want), (n, off, t, p, lanes, fma, r)
+    assert lib.wb_linear_rowdot_rows(base.data_ptr(), x.data_ptr(), None, got.data_ptr(), 0, 8, 100, 0, 4, 0, 2) == -1
 
 
 @pytest.mark.skipif(native.mkl() is None, reason=NO_MKL)

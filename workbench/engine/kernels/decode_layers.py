@@ -63,8 +63,8 @@ class _Shape(ctypes.Structure):
                 ("threads", ctypes.c_int), *[(n, _P) for n in _SCRATCH]]
 
 
-class _Blocked(ctypes.Structure):
-    _fields_ = [("kc", ctypes.c_int64), ("bias_first", ctypes.c_int64)]
+class _Blocked(ctypes.Structure):  # (KC, bias first), and past `head` rows the one-row order (gemm.py split orders)
+    _fields_ = [(n, ctypes.c_int64) for n in ("kc", "bias_first", "head", "peel", "lanes", "fma")]
 
 
 _LINEARS = (("q", "self_attn", "q_proj"), ("k", "self_attn", "k_proj"), ("v", "self_attn", "v_proj"),
@@ -399,8 +399,9 @@ def _make_rows(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: i
                 return refused(f"layer {i}'s {attr} is not a packed float32 linear")
             if not forward._blocked_ok(rows):
                 return refused(f"layer {i}'s {attr}: linear.blocked was refused at {rows} rows")
-            kc, bias_first = forward.blocked_orders[rows]
-            setattr(s, name, _Blocked(kc, int(bias_first)))
+            order = forward.blocked_orders[rows]
+            kc, bias_first, head, peel, lanes, fma = order if len(order) == 6 else (*order, rows, 0, 4, False)
+            setattr(s, name, _Blocked(kc, int(bias_first), head, peel, lanes, int(fma)))
             setattr(s, "w" + name, lin.weight.data_ptr())
             setattr(s, "b" + name, _ptr(lin.bias))
         s.k_pool, s.v_pool = kv.k[i].data_ptr(), kv.v[i].data_ptr()

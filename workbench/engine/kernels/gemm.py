@@ -66,7 +66,20 @@ ROWDOT_ORDERS = ((-1, 4, False),) + tuple((p, lanes, fma) for fma in (False, Tru
 # blocks of KC products, the blocks added in turn; the first is MKL's at 4-64 rows on the AMD EPYCs.
 BLOCKED_ORDERS = ((192, True),) + tuple((kc, bf) for bf in (True, False) for kc in (192, 256, 128, 384, 96, 64)
                                         if (kc, bf) != (192, True))
+# Where no order gives every row's bits, the blocked kernel's rows may be split as MKL splits them at
+# some row counts (the AVX512 EPYC at 5-7 and 9-11 rows: the rows of its last whole block of 8 or 4
+# in a blocked order, the rest each in a one-row order): (KC, bias first, head, P, L, fma), the first
+# `head` rows blocked in (KC, bias first), the rest in the one-row order (P, L, fma) of ROWDOT_ORDERS.
 BLOCKED_MIN_ROWS, BLOCKED_MAX_ROWS = 4, 64
+
+
+def blocked_order_known(order: tuple) -> bool:
+    """Is `order` (a verdict's facts, perhaps from disk) one the blocked kernel takes: one of
+    BLOCKED_ORDERS, or a split of one with a one-row order of ROWDOT_ORDERS after `head` rows?"""
+    if len(order) == 2:
+        return order in BLOCKED_ORDERS
+    return len(order) == 6 and tuple(order[:2]) in BLOCKED_ORDERS and isinstance(order[2], int) and order[2] >= 1 \
+        and (order[3], order[4], bool(order[5])) in ROWDOT_ORDERS
 ROWDOT_SEARCH_ROWS = 64  # the order is searched on this many of the weight's rows, then checked on all
 
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
@@ -112,8 +125,11 @@ def _rowdot_order_words(order: tuple) -> str:
 
 
 def _blocked_order_words(order: tuple) -> str:
-    kc, bias_first = order
-    return f"fma chains in blocks of {kc} products{', the bias first' if bias_first else ''}"
+    kc, bias_first = order[:2]
+    words = f"fma chains in blocks of {kc} products{', the bias first' if bias_first else ''}"
+    if len(order) == 6:
+        words = f"the first {order[2]} rows {words}, each row after them {_rowdot_order_words(order[3:])}"
+    return words
 
 
 def _check_rowdot(packed: PackedLinear) -> Verdict:
@@ -123,8 +139,37 @@ def _check_rowdot(packed: PackedLinear) -> Verdict:
 
 def _check_blocked(packed: PackedLinear, rows: int) -> Verdict:
     """Find the block size and bias placement in which the blocked kernel gives F.linear's bits for
-    this layer at `rows` rows."""
-    return _find_order(packed, rows, "blocked kernel", BLOCKED_ORDERS, packed.blocked_compute, _blocked_order_words)
+    this layer at `rows` rows; where none does, a split of the rows as MKL splits them (`_split_orders`)."""
+    verdict = _find_order(packed, rows, "blocked kernel", BLOCKED_ORDERS, packed.blocked_compute, _blocked_order_words)
+    if verdict.ok or "orders_tried" not in verdict.facts:
+        return verdict
+    splits = _split_orders(packed, rows)
+    return _find_order(packed, rows, "blocked kernel", splits, packed.blocked_compute, _blocked_order_words) \
+        if splits else verdict
+
+
+def _split_orders(packed: PackedLinear, rows: int) -> tuple:
+    """The split orders (see BLOCKED_MIN_ROWS) that give F.linear's bits on the weight's first
+    outputs at `rows` rows: rows are computed independently, so the rows before a split and the
+    rows after it are searched apart (each order list once, not their product), for each split at
+    the last whole block of 8 or of 4 rows."""
+    x = _probe(rows, packed.in_features)
+    outs = min(ROWDOT_SEARCH_ROWS, packed.out_features)
+    found = []
+    with torch.inference_mode():
+        want = F.linear(x, packed.module.weight, packed.module.bias)[:, :outs]
+        for head in sorted({rows // 8 * 8, rows // 4 * 4} - {0, rows}, reverse=True):
+            top = next((o for o in BLOCKED_ORDERS if _equal(packed.blocked_compute(x[:head], o, outs), want[:head])),
+                       None)
+            tail = next((o for o in ROWDOT_ORDERS
+                         if _equal(packed.rowdot_rows_compute(x[head:], o, outs), want[head:])), None)
+            if top is not None and tail is not None:
+                found.append((*top, head, *tail))
+    return tuple(found)
+
+
+def _equal(got: torch.Tensor | None, want: torch.Tensor) -> bool:
+    return got is not None and torch.equal(got, want)
 
 
 def _find_order(packed: PackedLinear, rows: int, what: str, orders: tuple, compute: Callable,
@@ -285,7 +330,7 @@ class PackedLinear:
         self.model_bytes = 0  # the linear weights of the model this layer is in (pack_linears), 0: unknown
         self._split: tuple[int, int, torch.Tensor] | None = None  # (parts, weight pointer, weight view)
         self.rowdot_order: tuple[int, int, bool] | None = None  # the checked order (linear_ok ROWDOT sets it)
-        self.blocked_orders: dict[int, tuple[int, bool]] = {}  # rows -> the blocked kernel's checked order
+        self.blocked_orders: dict[int, tuple] = {}  # rows -> the blocked kernel's checked order (or split order)
         # (rows, threads) -> route(rows): the per-call memo of this layer's verdicts (the book holds them)
         self._routes: dict[tuple[int, int], str | None] = {}
 
@@ -380,16 +425,34 @@ class PackedLinear:
         x2 = x2.contiguous()
         weight, bias = module.weight.detach() if weight is None else weight, module.bias
         y = torch.empty((rows, n), dtype=torch.float32)
-        kc, bias_first = order
-        rc = lib.wb_linear_rows(x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                                y.data_ptr(), rows, n, self.in_features, kc, int(bias_first), torch.get_num_threads())
+        kc, bias_first, head, p, lanes, fma = order if len(order) == 6 else (*order, rows, 0, 4, False)
+        rc = lib.wb_linear_rows_split(x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                      y.data_ptr(), rows, n, self.in_features, kc, int(bias_first), head, p, lanes,
+                                      int(fma), torch.get_num_threads())
+        return None if rc else y
+
+    def rowdot_rows_compute(self, x2: torch.Tensor, order: tuple[int, int, bool], out_rows: int | None = None
+                            ) -> torch.Tensor | None:
+        """`x2 [rows, in] -> [rows, out]`, each row as the one-row kernel computes it in `order`,
+        over the weight's first `out_rows` rows (default all), unchecked; None where the C kernels
+        are unavailable."""
+        lib, module = native.load(), self._module()
+        if lib is None:
+            return None
+        n = self.out_features if out_rows is None else out_rows
+        x2 = x2.contiguous()
+        y = torch.empty((x2.shape[0], n), dtype=torch.float32)
+        p, lanes, fma = order
+        rc = lib.wb_linear_rowdot_rows(module.weight.detach().data_ptr(), x2.data_ptr(),
+                                       None if module.bias is None else module.bias.data_ptr(), y.data_ptr(),
+                                       x2.shape[0], n, self.in_features, p, lanes, int(fma), torch.get_num_threads())
         return None if rc else y
 
     def _blocked_ok(self, rows: int) -> bool:
         if native.load() is None:
             return False
         verdict = self.book.decide(NAMES[BLOCKED], _key(self, rows), lambda: _check_blocked(self, rows),
-                                   valid=lambda v: not v.ok or tuple(v.facts.get("order", ())) in BLOCKED_ORDERS)
+                                   valid=lambda v: not v.ok or blocked_order_known(tuple(v.facts.get("order", ()))))
         if verdict.ok:
             self.blocked_orders[rows] = tuple(verdict.facts["order"])
         return verdict.ok

@@ -123,6 +123,13 @@ def _load_c() -> ctypes.CDLL | None:
     blocked = lib.wb_linear_rows
     blocked.restype = ctypes.c_int
     blocked.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]
+    split = lib.wb_linear_rows_split
+    split.restype = ctypes.c_int
+    split.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                                                     ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    rowdot_rows = lib.wb_linear_rowdot_rows
+    rowdot_rows.restype = ctypes.c_int
+    rowdot_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int, ctypes.c_int]
     rowdot = lib.wb_linear_rowdot
     rowdot.restype = ctypes.c_int
     rowdot.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]

@@ -118,15 +118,16 @@ int wb_decode_layers(const wb_layer *layers, int64_t count, const wb_shape *s, f
  * The same layers at R decode rows (a decode-only batch), in one call: the direct forward's
  * sequence at several rows, each kernel called with what the Python path passes it. Per layer:
  *   res += pending, x = input_layernorm(res)                    wb_rms_norm (R rows)
- *   q, k, v = q/k/v_proj(x)                                     wb_linear_rows, each its own order
+ *   q, k, v = q/k/v_proj(x)                                     wb_linear_rows(_split), each its own order
  *   q, k = rope(q, k)                                           wb_rope (R rows)
  *   pool[loc[r]] = k[r], v[r]                                   (the KV write: a copy)
  *   attn = each row's query over its slots kv_idx[r][:lens[r]]  wb_decode_attention
  *   res += o_proj(attn), x = post_attention_layernorm(res)      wb_linear_rows, wb_rms_norm
  *   pending = down_proj(silu(gate_proj(x)) * up_proj(x))        wb_linear_rows, wb_silu_mul
  */
-int wb_linear_rows(const float *X, const float *W, const float *bias, float *Y, int64_t R, int64_t N,
-                   int64_t K, int64_t KC, int bias_first, int num_threads);
+int wb_linear_rows_split(const float *X, const float *W, const float *bias, float *Y, int64_t R, int64_t N,
+                         int64_t K, int64_t KC, int bias_first, int64_t head, int64_t P, int64_t L, int fma,
+                         int num_threads);
 int wb_kv_write(char *k_pool, char *v_pool, int64_t slots, const int64_t *loc, int64_t n, const char *k,
                 const char *v, int64_t row);
 int wb_decode_attention(const float *q, const float *k, const float *v, const int64_t *idx,
@@ -137,6 +138,7 @@ int wb_decode_attention(const float *q, const float *k, const float *v, const in
 /* One projection's blocked order at this row count, as kernels/gemm.py checked it: KC, bias first. */
 typedef struct {
     int64_t kc, bias_first;
+    int64_t head, peel, lanes, fma; /* rows past `head`: the one-row order (wb_linear_rows_split) */
 } wb_blocked;
 
 typedef struct {
@@ -159,7 +161,8 @@ typedef struct {
 
 static int rows_linear(const float *x, const float *w, const float *b, float *y, int64_t R, int64_t N, int64_t K,
                        wb_blocked order, int threads) {
-    return wb_linear_rows(x, w, b, y, R, N, K, order.kc, (int)order.bias_first, threads);
+    return wb_linear_rows_split(x, w, b, y, R, N, K, order.kc, (int)order.bias_first, order.head, order.peel,
+                                order.lanes, (int)order.fma, threads);
 }
 
 /* res [R, hidden]: the embeddings in, the residual stream out; pending [R, hidden]: the last layer's

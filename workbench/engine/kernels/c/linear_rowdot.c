@@ -141,3 +141,113 @@ int wb_linear_rowdot(const float *W, const float *x, const float *bias, float *y
                      int64_t P, int64_t L, int fma, int num_threads) {
     return wb_linear_rowdot_group(1, &W, &bias, &y, &N, x, K, P, L, fma, num_threads);
 }
+
+/* Several input rows through the one-row order: a block of ROWS neighbouring weight rows against TT
+ * input rows at once (ROWS x TT independent chains hide the add latency, which one output at a time,
+ * 144 dependent adds for 576 inputs, does not), each output the sum `rowdot_one` computes. */
+#if defined(__FMA__)
+#define FMAV4(a, b, c) (V4)_mm_fmadd_ps((__m128)(a), (__m128)(b), (__m128)(c))
+#define FMAV8(a, b, c) (V8)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(c))
+#else
+#define FMAV4(a, b, c) ({ V4 o_; for (int l_ = 0; l_ < 4; l_++) o_[l_] = fmaf((a)[l_], (b)[l_], (c)[l_]); o_; })
+#define FMAV8(a, b, c) ({ V8 o_; for (int l_ = 0; l_ < 8; l_++) o_[l_] = fmaf((a)[l_], (b)[l_], (c)[l_]); o_; })
+#endif
+#if defined(__AVX512F__)
+#define FMAV16(a, b, c) (V16)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(c))
+#else
+#define FMAV16(a, b, c) ({ V16 o_; for (int l_ = 0; l_ < 16; l_++) o_[l_] = fmaf((a)[l_], (b)[l_], (c)[l_]); o_; })
+#endif
+
+#define DEFINE_ROWDOT_ROWS(L, V, TT)                                                               \
+static void rowdot_rows_##L##_##TT(const float *W, const float *X, const float *bias, float *Y,    \
+                                   int64_t N, int64_t K, int64_t n0, int64_t n1, int64_t P, int fma) { \
+    for (int64_t n = n0; n < n1; n += ROWS) {                                                      \
+        const float *w[ROWS];                                                                      \
+        int64_t p = P < 0 ? row_peel(W + n * K) : P;                                               \
+        int whole = n + ROWS <= n1;                                                                \
+        for (int r = 0; r < ROWS && whole; r++) {                                                  \
+            w[r] = W + (n + r) * K;                                                                \
+            if (P < 0 && row_peel(w[r]) != p) whole = 0;                                           \
+        }                                                                                          \
+        if (!whole) { /* a short last block, or rows with different peels: one output at a time */  \
+            for (int64_t m = n; m < n1 && m < n + ROWS; m++)                                       \
+                for (int t = 0; t < TT; t++)                                                       \
+                    rowdot_one_##L(W + m * K, X + t * K, bias ? bias + m : NULL, Y + t * N + m, K,  \
+                                   P < 0 ? row_peel(W + m * K) : P, fma);                          \
+            continue;                                                                              \
+        }                                                                                          \
+        if (p > K) p = K;                                                                          \
+        const int64_t body = p + (K - p) / L * L;                                                  \
+        V acc[ROWS][TT];                                                                           \
+        for (int r = 0; r < ROWS; r++)                                                             \
+            for (int t = 0; t < TT; t++) {                                                         \
+                const float *x = X + t * K;                                                        \
+                float s = 0.0f;                                                                    \
+                for (int64_t k = 0; k < p; k++) s = fma ? fmaf(w[r][k], x[k], s) : s + w[r][k] * x[k]; \
+                acc[r][t] = (V){0}; acc[r][t][0] = s;                                              \
+            }                                                                                      \
+        if (fma) {                                                                                 \
+            for (int64_t k = p; k < body; k += L) {                                                \
+                V xv[TT];                                                                          \
+                for (int t = 0; t < TT; t++) xv[t] = load_##V(X + t * K + k);                      \
+                for (int r = 0; r < ROWS; r++) {                                                   \
+                    const V wv = load_##V(w[r] + k);                                               \
+                    for (int t = 0; t < TT; t++) acc[r][t] = FMAV##L(wv, xv[t], acc[r][t]);        \
+                }                                                                                  \
+            }                                                                                      \
+        } else {                                                                                   \
+            for (int64_t k = p; k < body; k += L) {                                                \
+                V xv[TT];                                                                          \
+                for (int t = 0; t < TT; t++) xv[t] = load_##V(X + t * K + k);                      \
+                for (int r = 0; r < ROWS; r++) {                                                   \
+                    const V wv = load_##V(w[r] + k);                                               \
+                    for (int t = 0; t < TT; t++) acc[r][t] = acc[r][t] + wv * xv[t];               \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        for (int r = 0; r < ROWS; r++)                                                             \
+            for (int t = 0; t < TT; t++) {                                                         \
+                const float *x = X + t * K;                                                        \
+                float a[L];                                                                        \
+                memcpy(a, &acc[r][t], sizeof a);                                                   \
+                for (int width = L / 2; width >= 1; width /= 2)                                    \
+                    for (int l = 0; l < width; l++) a[l] = a[l] + a[l + width];                    \
+                float s = a[0];                                                                    \
+                for (int64_t k = body; k < K; k++) s = fma ? fmaf(w[r][k], x[k], s) : s + w[r][k] * x[k]; \
+                Y[t * N + n + r] = bias ? s + bias[n + r] : s;                                     \
+            }                                                                                      \
+    }                                                                                              \
+}
+#define DEFINE_ROWDOT_ROWS_ALL(L, V) DEFINE_ROWDOT_ROWS(L, V, 1) DEFINE_ROWDOT_ROWS(L, V, 2)        \
+    DEFINE_ROWDOT_ROWS(L, V, 3) DEFINE_ROWDOT_ROWS(L, V, 4)
+DEFINE_ROWDOT_ROWS_ALL(4, V4)
+DEFINE_ROWDOT_ROWS_ALL(8, V8)
+DEFINE_ROWDOT_ROWS_ALL(16, V16)
+
+#define ROWDOT_ROWS_CALL(L, TT) rowdot_rows_##L##_##TT(W, X + t0 * K, bias, Y + t0 * N, N, K, n0, n1, P, fma)
+#define ROWDOT_ROWS_BY_T(L)                                                                        \
+    (tt == 1 ? ROWDOT_ROWS_CALL(L, 1) : tt == 2 ? ROWDOT_ROWS_CALL(L, 2) : tt == 3 ? ROWDOT_ROWS_CALL(L, 3) \
+     : ROWDOT_ROWS_CALL(L, 4))
+
+/* `T` input rows through the one-row order: Y[t, n] = dot(W[n, :], X[t, :]) (+ bias[n]), each output
+ * as `rowdot_one` computes it (the order of wb_linear_rowdot), up to four input rows per pass over
+ * the weight (each thread a contiguous run of blocks of ROWS weight rows). For the rows MKL computes
+ * this way at some row counts (past its blocked kernel's last block: kernels/gemm.py, split orders).
+ * Returns 0, or -1 when the lanes are not 4, 8 or 16, P is below -1 or T below 1. */
+int wb_linear_rowdot_rows(const float *W, const float *X, const float *bias, float *Y, int64_t T, int64_t N,
+                          int64_t K, int64_t P, int64_t L, int fma, int num_threads) {
+    if (P < -1 || (L != 4 && L != 8 && L != 16) || T < 1) return -1;
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
+    {
+        const int th = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t blocks = (N + ROWS - 1) / ROWS;
+        const int64_t n0 = blocks * th / nt * ROWS, e = blocks * (th + 1) / nt * ROWS, n1 = e < N ? e : N;
+        for (int64_t t0 = 0; t0 < T && n0 < n1; t0 += 4) {
+            const int64_t tt = T - t0 < 4 ? T - t0 : 4;
+            if (L == 4) ROWDOT_ROWS_BY_T(4);
+            else if (L == 8) ROWDOT_ROWS_BY_T(8);
+            else ROWDOT_ROWS_BY_T(16);
+        }
+    }
+    return 0;
+}
