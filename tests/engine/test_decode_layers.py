@@ -158,3 +158,49 @@ def test_where_the_c_decode_kernel_passed_the_report_says_why_the_python_path_ru
     assert [v["detail"] for v in report["verdicts"]] == [
         "Python path: attention.decode_one_row passed its check here and runs in place of the flash replay "
         "this call makes"]
+
+
+SECOND = """
+import json, sys
+from workbench.engine.engine import Engine
+from workbench.engine.sample.sampling_params import SamplingParams
+from workbench.models import load_model
+
+params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+with Engine(load_model("smollm2", device="cpu"), trace_level="off") as engine:
+    engine.generate(json.loads(sys.argv[1]), params)  # eight decode rows
+    engine.generate(json.loads(sys.argv[1])[:1], params)  # one
+    report = engine.runner.kernel_report()["checks"]["replacements"]
+    print(json.dumps({n: report[n]["verdicts"] for n in json.loads(sys.argv[2])}))
+"""
+
+
+def test_a_second_process_reads_the_one_call_verdicts_from_the_store():
+    # The composed call's check (~0.2 s a row count on SmolLM2) ran in every process, at every new
+    # decode batch size: a latency spike a server paid per batch size after each start. A passed
+    # one is now kept on disk for the same model, machine and plan, and a fresh process reads it.
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    names = [decode_layers.NAME, decode_layers.NAME_ROWS]
+    root = Path(__file__).resolve().parents[2]
+
+    def run() -> dict:
+        out = subprocess.run([sys.executable, "-c", SECOND, json.dumps(BATCH), json.dumps(names)], cwd=root,
+                             capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()  # the first checks now or reads what an earlier process kept
+    passed = {(n, json.dumps(v["key"])): v for n in names for v in first[n] if v["ok"]}
+    if not passed:
+        pytest.skip(f"the C call does not apply on this CPU: {[v['detail'] for n in names for v in first[n]]}")
+    assert {n for n, _ in passed} == set(names)  # one row and eight rows
+    for n in names:
+        for v in second[n]:
+            kept = passed.get((n, json.dumps(v["key"])))
+            if kept is not None:
+                assert v["source"].startswith("cached from") and v["ok"] and v["detail"] == kept["detail"], v

@@ -57,8 +57,9 @@ class Book:
                env: Callable[[], dict[str, str]] | None = None,
                valid: Callable[[Verdict], bool] | None = None) -> Verdict:
         """The verdict on replacement `name` for `key`: kept in this process, else kept on disk by an
-        earlier one (`env()` its environment, default the machine and the replacement's code; `valid`
-        whether such a verdict still applies), else `check()` now. `about`: the object the verdict is
+        earlier one (`env()` its environment, default the machine and the replacement's code; None:
+        none is known, so nothing is read or kept on disk; `valid` whether such a verdict still
+        applies), else `check()` now. `about`: the object the verdict is
         about, for a replacement that lives per object or per load (a model)."""
         verdict = self.tables.get(name, _NONE).get(key)  # the per-call path: one lookup
         if verdict is not None:
@@ -84,8 +85,12 @@ class Book:
             if verdict is not None:
                 return verdict
         store = self.store if rep.on_disk != "none" else None
+        environ = None
         if store is not None:
             environ = env() if env is not None else self.environment(rep)
+            if environ is None:  # the caller knows no environment this verdict holds in: this process only
+                store = None
+        if store is not None:
             verdict = store.get(name, environ, label(rep, key))
             if verdict is not None and valid is not None and not valid(verdict):
                 verdict = None

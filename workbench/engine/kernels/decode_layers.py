@@ -23,6 +23,7 @@ says which and why, and the Python path runs.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import itertools
 import operator
 import threading
@@ -33,7 +34,8 @@ from typing import Any
 import torch
 
 from workbench.engine.kernels import decode_attention, native
-from workbench.engine.kernels.book import BOOK
+from workbench.engine.kernels.book import BOOK, model_environment
+from workbench.engine.kernels.registry import REGISTRY
 from workbench.engine.kernels.verdict import Verdict
 
 NAME = "forward.decode_layers"
@@ -103,26 +105,28 @@ class DecodeLayers:
 
     def run(self, model: torch.nn.Module, fb: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             count: int, ops: Any, plain: bool, structure: int,
-            check: Callable[[int], Verdict]) -> tuple[torch.Tensor, torch.Tensor] | None:
+            check: Callable[[int], Verdict], model_hash: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`(residual, pending)` after the first `count` layers (what the Python loop leaves for
         the final norm), or None (nothing written anywhere) where this step is not one the C call
         may take. `plain`: the caller's layers attend with the engine's own attention function and
         no sliding window; `structure`: a count that moves when any submodule is assigned; `check(rows)`:
         the composed call against the Python path at that many decode rows (run/exact_forward.py),
-        run once per model object and row count."""
+        run once per model object and row count; `model_hash`: the loaded folder's content hash,
+        under which a passed check is kept on disk (`environment`), or None (this process only)."""
         if self.mode == "python" or not plain or fb.capture is not None:
             return None
         if not self.lock.acquire(blocking=False):  # (re-entered by its own check: an RLock)
             return None
         try:
             if hidden.shape[-2] == 1:
-                return self._run(model, fb, hidden, cos, sin, count, ops, structure, lambda: check(1))
-            return self._run_rows(model, fb, hidden, cos, sin, count, ops, structure, check)
+                return self._run(model, fb, hidden, cos, sin, count, ops, structure, lambda: check(1), model_hash)
+            return self._run_rows(model, fb, hidden, cos, sin, count, ops, structure, check, model_hash)
         finally:
             self.lock.release()
 
     def _run(self, model: torch.nn.Module, fb: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             count: int, ops: Any, structure: int, check: Callable[[], Verdict]) -> tuple[torch.Tensor, torch.Tensor] | None:
+             count: int, ops: Any, structure: int, check: Callable[[], Verdict],
+             model_hash: str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         meta = fb.attn
         if meta.extend_rows or meta.decode_run is None or meta.decode_kv_idx is None or meta.decode_kv_idx.shape[0] != 1:
             return None
@@ -151,7 +155,8 @@ class DecodeLayers:
             return plan
 
         if self.mode != "unchecked" and not BOOK.decide(NAME, (threads,), lambda: self._decide(current(), check),
-                                                        about=model).ok:
+                                                        about=model,
+                                                        env=lambda: environment(NAME, model, model_hash, current())).ok:
             return None
         plan = current()
         if plan[1] is None:
@@ -175,8 +180,8 @@ class DecodeLayers:
         return Verdict(False, f"Python path: {plan[2]}", {}) if plan[1] is None else check()
 
     def _run_rows(self, model: torch.nn.Module, fb: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  count: int, ops: Any, structure: int,
-                  check: Callable[[int], Verdict]) -> tuple[torch.Tensor, torch.Tensor] | None:
+                  count: int, ops: Any, structure: int, check: Callable[[int], Verdict],
+                  model_hash: str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Several decode rows (a decode-only batch) in one call of `wb_decode_layers_rows`, where
         every projection's blocked kernel passed its check at this row count (bit-identical to
         F.linear, so to whatever the projection's own race picked) and the batch attention kernel
@@ -200,7 +205,8 @@ class DecodeLayers:
 
         if self.mode != "unchecked" and not BOOK.decide(NAME_ROWS, (threads, rows),
                                                         lambda: self._decide(current(), lambda: check(rows)),
-                                                        about=model).ok:
+                                                        about=model,
+                                                        env=lambda: environment(NAME_ROWS, model, model_hash, current())).ok:
             return None
         plan = current()
         if plan[1] is None:
@@ -217,6 +223,34 @@ class DecodeLayers:
             raise RuntimeError(f"decode layers: a kernel refused arguments the plan checked (code {rc})")
         self.calls += 1
         return res, pending
+
+
+def environment(name: str, model: torch.nn.Module, model_hash: str | None, plan: tuple) -> dict[str, str] | None:
+    """What a passed check of the composed call holds for, kept on disk under it: the machine (CPU,
+    libraries, instruction set), the model (its folder's content hash, config, class and modeling
+    code), this module's code and the plan's every choice but its addresses (`_choices`: each norm's
+    lanes and eps, each projection's summation order, the attention kernel's lanes, the shapes): a
+    process whose other verdicts make another plan checks again. None where no model hash is known
+    or the plan is a refusal: the verdict stays in this process."""
+    if model_hash is None or plan[1] is None:
+        return None
+    return {**BOOK.environment(REGISTRY[name]), **model_environment(name, model, model_hash),
+            "plan_sha256": hashlib.sha256(repr(_choices(plan)).encode()).hexdigest()}
+
+
+def _choices(plan: tuple) -> list:
+    """The plan's structs as values: every number and order, and for each pointer only whether it is
+    set (a bias or not); the pool's slot count and the scratch buffers are left out."""
+    def values(struct: ctypes.Structure) -> list:
+        out = []
+        for name, kind in struct._fields_:
+            v = getattr(struct, name)
+            if name == "slots" or name in _SCRATCH:
+                continue
+            out.append((name, values(v) if isinstance(v, ctypes.Structure) else v is not None if kind is _P else v))
+        return out
+
+    return [values(s) for s in plan[1]] + [values(plan[2])]
 
 
 class _Watched:

@@ -13,6 +13,9 @@ from workbench.engine.kernels.verdict import IDENTICAL, PER_LOAD, PER_OBJECT, Re
 MACHINE = ("CPU model and flags", "torch version and build (MKL)", "kernel and check code")
 MODEL = ("model weights (content hash), config, class and modeling code", "transformers and torch versions",
          "the replacement's code")
+# the one-call layers: both, and the orders and lanes the other verdicts chose for each kernel they call
+COMPOSED = (*MACHINE, "model weights (content hash), config, class and modeling code",
+            "each called kernel's order and lanes (the plan)")
 GEMM = ("workbench.engine.kernels.gemm",)
 SHAPE_ROWS = ("out_features", "in_features", "bias", "rows", "threads")
 
@@ -127,22 +130,24 @@ _ALL = [
     Replacement("forward.decode_layers", "the direct forward's layers at one decode row (~15 Python calls a layer "
                 "around norm.rms, linear.rowdot, rotary.apply, the KV write, attention.flash_one_row and mlp.silu_mul)",
                 "one C call a step making those same kernel calls with the same arguments in the same order "
-                "(kernels/c/decode_layers.c)", IDENTICAL, ("threads",), MACHINE,
-                ("workbench.engine.kernels.decode_layers",), native=True, lives=PER_OBJECT, on_disk="none",
+                "(kernels/c/decode_layers.c)", IDENTICAL, ("threads",), COMPOSED,
+                ("workbench.engine.kernels.decode_layers",), native=True, lives=PER_OBJECT, on_disk="passed",
                 note="only where each of those kernels' own checks passed and this step is one row on consecutive "
                      "slots with the engine's attention, no capture, hook or sliding window; checked per model "
-                     "object on a one-row decode over 40 keys of scratch KV (logits and every layer's K/V)"),
+                     "object on a one-row decode over 40 keys of scratch KV (logits and every layer's K/V), or "
+                     "read from disk where an earlier process passed it for the same model and plan"),
     Replacement("forward.decode_layers_rows", "the direct forward's layers at several decode rows (~15 Python calls "
                 "a layer around norm.rms, linear.blocked, rotary.apply, the KV write, attention.decode_batch and "
                 "mlp.silu_mul)",
                 "one C call a step making those same kernel calls with the same arguments in the same order "
-                "(kernels/c/decode_layers.c)", IDENTICAL, ("threads", "rows"), MACHINE,
-                ("workbench.engine.kernels.decode_layers",), native=True, lives=PER_OBJECT, on_disk="none",
+                "(kernels/c/decode_layers.c)", IDENTICAL, ("threads", "rows"), COMPOSED,
+                ("workbench.engine.kernels.decode_layers",), native=True, lives=PER_OBJECT, on_disk="passed",
                 note="only where each of those kernels' own checks passed (every projection's linear.blocked at "
                      "this row count: F.linear's bits, whichever kernel its race picked) and the step is decode "
                      "rows only, with the engine's attention, no capture, hook or sliding window; checked per model "
                      "object and row count on a decode of rows of different lengths over seeded K/V (logits and "
-                     "every layer's K/V)"),
+                     "every layer's K/V), or read from disk where an earlier process passed it for the same model "
+                     "and plan"),
     Replacement("forward.direct", "the model's own forward (module dispatch, transformers' decorators)",
                 "the direct forward: the same torch ops in the same order without the dispatch "
                 "(run/exact_forward.py)", IDENTICAL, ("model",), MODEL, ("workbench.engine.run.exact_forward",),

@@ -163,7 +163,7 @@ def forward(model: torch.nn.Module, fb: Any, layers: int | None = None) -> torch
 
         plain = attend is workbench_attention and _window_free(fam, window, inner.layers, count)
         done = fused.run(model, fb, hidden, cos, sin, count, ops, plain, assignments(),
-                         lambda rows: verify_decode_layers(model, fused, fb.memory.kv, rows))
+                         lambda rows: verify_decode_layers(model, fused, fb.memory.kv, rows), _hashes.get(model))
         if done is not None:
             (hidden, pending), todo = done, ()
     for layer in todo:
@@ -441,12 +441,16 @@ def verify(model: torch.nn.Module, own: Any, num_layers: int, kv_heads: int, hea
 
 
 NAME = "forward.direct"  # its entry in engine/kernels/registry.py
+# each model object's folder content hash, from `checked`: the one-call layers' verdicts are kept on
+# disk under it (kernels/decode_layers.py `environment`)
+_hashes: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 
 
 def checked(model: torch.nn.Module, content_hash: str, check: Any) -> Verdict:
     """The verdict on the direct forward for `model` (`check()` returns a `verify` result): kept for
     this model object, else kept on disk by an earlier load of this same model, code and libraries
     (passed checks only: a model that failed is checked again on every load), else checked now."""
+    _hashes[model] = content_hash
     def run() -> Verdict:
         result = check()
         return Verdict(result["identical"], result["detail"],
