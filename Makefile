@@ -72,6 +72,7 @@ lint: $(STAMP)
 bench: $(STAMP) peers
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/trace_cost.py
+	$(PY) benchmarks/floor_pairs.py
 
 traces: $(STAMP)
 	$(PY) -m workbench.cli make-traces traces/
