@@ -433,6 +433,9 @@ def test_packing_respects_its_memory_budget_and_runs_once():
 def test_a_second_load_reuses_the_verdicts_on_disk_and_packs_only_what_runs(tmp_path, monkeypatch, packed_only,
                                                                            kernels_win):
     calls = _count_calls(monkeypatch)
+    # a quiet machine: a race whose threads waited for a CPU is raced (and packed) again by the next
+    # load, by design and tested on its own below; a process beside this one must not decide this test
+    monkeypatch.setattr(gemm, "_waited_share", lambda start: 0.0)
 
     def stack():
         torch.manual_seed(5)
@@ -567,13 +570,16 @@ def test_the_engine_reports_which_kernels_ran_and_why(tiny):
     assert report["packed_linear_bytes"] == engine.config.cpu_kernels.packed_linear_bytes > 0
     packed = _by_shape(report["checks"], "linear.packed")
     split = _by_shape(report["checks"], "linear.split")
+    blocked = _by_shape(report["checks"], "linear.blocked")
     # this model's shapes (the report is the process's: other tests' models are in it too)
     mine = {f"{m.in_features}->{m.out_features}{' +bias' if m.bias is not None else ''}"
             for m in tiny.model.modules() if isinstance(m, torch.nn.Linear)}
     assert f"{tiny.model.config.hidden_size}->{tiny.model.config.vocab_size}" in mine  # lm_head too
-    for name in mine:  # 1, 16 and 32 rows at load, 20 (the decode batch) on first use: split, else packed
+    for name in mine:  # 1, 16 and 32 rows at load, 20 (the decode batch) on first use: split, else packed;
+        # or the blocked kernel, where the decode batch's layers ran in the rows' C call (its verdict
+        # may come from disk, so the Python path never asked the others at 20 rows)
         decided = set(sum(split.get(name, {}).values(), []))
         refused = set(split.get(name, {}).get("refused", []))
-        decided |= set(sum(packed.get(name, {}).values(), []))
+        decided |= set(sum(packed.get(name, {}).values(), [])) | set(blocked.get(name, {}).get("ok", []))
         assert decided >= ({1, 16, 20, 32} if torch.get_num_threads() > 1 else {16, 20, 32}), name
         assert set(sum(packed.get(name, {}).values(), [])) >= refused & {16, 20, 32}, name
