@@ -270,11 +270,11 @@ def test_a_one_row_kernel_off_by_one_ulp_is_refused_and_f_linear_runs(monkeypatc
 
 
 @pytest.mark.skipif(native.mkl() is None or native.load() is None, reason=NO_MKL + " or no C compiler")
-@pytest.mark.parametrize("rows", [4, 5, 8, 9, 11, 17, 33, 64])
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 9, 11, 17, 33, 64])
 def test_the_blocked_kernel_gives_f_linears_bits_at_decode_batch_sizes(rows, monkeypatch, torch_threads):
     # Decode batches: the output is F.linear's bits; the blocked kernel ran for exactly the layers
-    # whose check found MKL's block order on this CPU at this row count (at 5 and 9-11 rows on the
-    # AVX512 EPYC, a split one: MKL's last rows in its one-row order).
+    # whose check found MKL's block order on this CPU at this row count (at 2-3, 5 and 9-11 rows on
+    # the AVX512 EPYC, a split one: MKL's last rows, or all of them, in its one-row order).
     _fixed_race(monkeypatch, {gemm.BLOCKED: 1.0, gemm.SPLIT: 2.0, gemm.PACKED: 3.0, gemm.LINEAR: 4.0})
     calls = _count_calls(monkeypatch, "blocked_compute")
     torch_threads(2)

@@ -68,9 +68,10 @@ BLOCKED_ORDERS = ((192, True),) + tuple((kc, bf) for bf in (True, False) for kc 
                                         if (kc, bf) != (192, True))
 # Where no order gives every row's bits, the blocked kernel's rows may be split as MKL splits them at
 # some row counts (the AVX512 EPYC at 5-7 and 9-11 rows: the rows of its last whole block of 8 or 4
-# in a blocked order, the rest each in a one-row order): (KC, bias first, head, P, L, fma), the first
-# `head` rows blocked in (KC, bias first), the rest in the one-row order (P, L, fma) of ROWDOT_ORDERS.
-BLOCKED_MIN_ROWS, BLOCKED_MAX_ROWS = 4, 64
+# in a blocked order, the rest each in a one-row order; at 2-3 rows every row in the one-row order):
+# (KC, bias first, head, P, L, fma), the first `head` rows (maybe none) blocked in (KC, bias first),
+# the rest in the one-row order (P, L, fma) of ROWDOT_ORDERS.
+BLOCKED_MIN_ROWS, BLOCKED_MAX_ROWS = 2, 64
 
 
 def blocked_order_known(order: tuple) -> bool:
@@ -78,7 +79,7 @@ def blocked_order_known(order: tuple) -> bool:
     BLOCKED_ORDERS, or a split of one with a one-row order of ROWDOT_ORDERS after `head` rows?"""
     if len(order) == 2:
         return order in BLOCKED_ORDERS
-    return len(order) == 6 and tuple(order[:2]) in BLOCKED_ORDERS and isinstance(order[2], int) and order[2] >= 1 \
+    return len(order) == 6 and tuple(order[:2]) in BLOCKED_ORDERS and isinstance(order[2], int) and order[2] >= 0 \
         and (order[3], order[4], bool(order[5])) in ROWDOT_ORDERS
 ROWDOT_SEARCH_ROWS = 64  # the order is searched on this many of the weight's rows, then checked on all
 
@@ -152,15 +153,15 @@ def _split_orders(packed: PackedLinear, rows: int) -> tuple:
     """The split orders (see BLOCKED_MIN_ROWS) that give F.linear's bits on the weight's first
     outputs at `rows` rows: rows are computed independently, so the rows before a split and the
     rows after it are searched apart (each order list once, not their product), for each split at
-    the last whole block of 8 or of 4 rows."""
+    the last whole block of 8 or of 4 rows, or before the first row (every row in the one-row order)."""
     x = _probe(rows, packed.in_features)
     outs = min(ROWDOT_SEARCH_ROWS, packed.out_features)
     found = []
     with torch.inference_mode():
         want = F.linear(x, packed.module.weight, packed.module.bias)[:, :outs]
-        for head in sorted({rows // 8 * 8, rows // 4 * 4} - {0, rows}, reverse=True):
-            top = next((o for o in BLOCKED_ORDERS if _equal(packed.blocked_compute(x[:head], o, outs), want[:head])),
-                       None)
+        for head in sorted({rows // 8 * 8, rows // 4 * 4, 0} - {rows}, reverse=True):
+            top = BLOCKED_ORDERS[0] if head == 0 else next(
+                (o for o in BLOCKED_ORDERS if _equal(packed.blocked_compute(x[:head], o, outs), want[:head])), None)
             tail = next((o for o in ROWDOT_ORDERS
                          if _equal(packed.rowdot_rows_compute(x[head:], o, outs), want[head:])), None)
             if top is not None and tail is not None:

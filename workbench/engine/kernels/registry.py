@@ -36,7 +36,7 @@ _ALL = [
                      "the first that matches is checked on all of them (the order found is in facts); the "
                      "direct forward computes layers that read the same row (q/k/v, gate/up) in one call "
                      "where each one's own route is this kernel"),
-    Replacement("linear.blocked", "F.linear (nn.Linear's forward) at 4-64 rows",
+    Replacement("linear.blocked", "F.linear (nn.Linear's forward) at 2-64 rows",
                 "a C GEMM in the blocked order that gives MKL's bits on this CPU (kernels/c/linear_rows.c)",
                 IDENTICAL, SHAPE_ROWS, MACHINE, GEMM, native=True,
                 note="decode batches; fma chains in blocks of KC products, tried per layer and row count on the "

@@ -146,15 +146,15 @@ int wb_linear_rows(const float *X, const float *W, const float *bias, float *Y, 
 int wb_linear_rowdot_rows(const float *W, const float *X, const float *bias, float *Y, int64_t T, int64_t N,
                           int64_t K, int64_t P, int64_t L, int fma, int num_threads); /* linear_rowdot.c */
 
-/* `R` rows as MKL computes them at some row counts (an AVX512 EPYC at 5-7 and 9-11 rows): the
- * first `head` through the blocked kernel in (KC, bias_first), the rows after them through the
- * one-row kernel's order (P, L, fma). head >= R: every row blocked (wb_linear_rows). Returns 0, or
- * -1 when the parameters do not fit. */
+/* `R` rows as MKL computes them at some row counts (an AVX512 EPYC at 2-3, 5-7 and 9-11 rows): the
+ * first `head` (perhaps none) through the blocked kernel in (KC, bias_first), the rows after them
+ * through the one-row kernel's order (P, L, fma). head >= R: every row blocked (wb_linear_rows).
+ * Returns 0, or -1 when the parameters do not fit. */
 int wb_linear_rows_split(const float *X, const float *W, const float *bias, float *Y, int64_t R, int64_t N,
                          int64_t K, int64_t KC, int bias_first, int64_t head, int64_t P, int64_t L, int fma,
                          int num_threads) {
     if (head >= R) return wb_linear_rows(X, W, bias, Y, R, N, K, KC, bias_first, num_threads);
-    if (head < 1) return -1;
-    const int rc = wb_linear_rows(X, W, bias, Y, head, N, K, KC, bias_first, num_threads);
+    if (head < 0) return -1;
+    const int rc = head ? wb_linear_rows(X, W, bias, Y, head, N, K, KC, bias_first, num_threads) : 0;
     return rc ? rc : wb_linear_rowdot_rows(W, X + head * K, bias, Y + head * N, R - head, N, K, P, L, fma, num_threads);
 }
