@@ -404,7 +404,7 @@ def _make(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, k
 def _make_rows(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: int, rows: int, key: tuple) -> tuple:
     """`_make` for `rows` decode rows: each projection bound with the blocked kernel's order its check
     found at this row count."""
-    from workbench.engine.kernels.gemm import BLOCKED_MAX_ROWS, BLOCKED_MIN_ROWS, PackedLinear
+    from workbench.engine.kernels.gemm import BLOCKED_MAX_ROWS, BLOCKED_MIN_ROWS, PackedLinear, split_order
 
     bind = _Binder(model, ops, kv, count, key, None, "")
     layers, hidden, heads, kv_heads = bind.layers, bind.hidden, bind.heads, bind.kv_heads
@@ -433,8 +433,7 @@ def _make_rows(model: torch.nn.Module, ops: Any, kv: Any, threads: int, count: i
                 return refused(f"layer {i}'s {attr} is not a packed float32 linear")
             if not forward._blocked_ok(rows):
                 return refused(f"layer {i}'s {attr}: linear.blocked was refused at {rows} rows")
-            order = forward.blocked_orders[rows]
-            kc, bias_first, head, peel, lanes, fma = order if len(order) == 6 else (*order, rows, 0, 4, False)
+            kc, bias_first, head, peel, lanes, fma = split_order(forward.blocked_orders[rows], rows)
             setattr(s, name, _Blocked(kc, int(bias_first), head, peel, lanes, int(fma)))
             setattr(s, "w" + name, lin.weight.data_ptr())
             setattr(s, "b" + name, _ptr(lin.bias))

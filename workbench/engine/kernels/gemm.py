@@ -72,6 +72,13 @@ BLOCKED_ORDERS = ((192, True),) + tuple((kc, bf) for bf in (True, False) for kc 
 # (KC, bias first, head, P, L, fma), the first `head` rows (maybe none) blocked in (KC, bias first),
 # the rest in the one-row order (P, L, fma) of ROWDOT_ORDERS.
 BLOCKED_MIN_ROWS, BLOCKED_MAX_ROWS = 2, 64
+ROWDOT_SEARCH_ROWS = 64  # the order is searched on this many of the weight's rows, then checked on all
+
+
+def split_order(order: tuple, rows: int) -> tuple:
+    """A blocked order as the split kernel takes it, `(KC, bias first, head, P, L, fma)`: a plain
+    `(KC, bias first)` is every one of `rows` rows blocked."""
+    return tuple(order) if len(order) == 6 else (*order, rows, 0, 4, False)
 
 
 def blocked_order_known(order: tuple) -> bool:
@@ -81,7 +88,7 @@ def blocked_order_known(order: tuple) -> bool:
         return order in BLOCKED_ORDERS
     return len(order) == 6 and tuple(order[:2]) in BLOCKED_ORDERS and isinstance(order[2], int) and order[2] >= 0 \
         and (order[3], order[4], bool(order[5])) in ROWDOT_ORDERS
-ROWDOT_SEARCH_ROWS = 64  # the order is searched on this many of the weight's rows, then checked on all
+
 
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
 
@@ -426,7 +433,7 @@ class PackedLinear:
         x2 = x2.contiguous()
         weight, bias = module.weight.detach() if weight is None else weight, module.bias
         y = torch.empty((rows, n), dtype=torch.float32)
-        kc, bias_first, head, p, lanes, fma = order if len(order) == 6 else (*order, rows, 0, 4, False)
+        kc, bias_first, head, p, lanes, fma = split_order(order, rows)
         rc = lib.wb_linear_rows_split(x2.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                                       y.data_ptr(), rows, n, self.in_features, kc, int(bias_first), head, p, lanes,
                                       int(fma), torch.get_num_threads())
