@@ -216,7 +216,7 @@ class TraceObserver:
         if sample.stages is not None:  # the sampler's first record is the model's own distribution
             entropy = [row[0]["entropy"] for row in sample.stages]
         else:
-            probs = lp.exp()
+            probs = torch.softmax(logits.float(), dim=-1)  # the model's distribution, as the sampler's record
             entropy = (-torch.special.xlogy(probs, probs).sum(-1)).cpu().tolist()
         full = logits.float().cpu().numpy() if self.tracer.full else None
         text = self.token_text

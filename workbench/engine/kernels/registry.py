@@ -102,12 +102,13 @@ _ALL = [
                 note="vocabularies of 64 or more; rows with a NaN or an infinite maximum go to torch; each width (16 "
                 "and 8 lanes) tried on 97 probes (32 batches of 4 rows, 65 rows alone), the first matching all kept "
                 "(lanes in facts); 0.1 s, so kept on disk"),
-    Replacement("sample.model_record", "the traced sampler's record of each row's own distribution: lp.exp(), "
-                "torch.topk of it and -(p * lp).sum(-1) (three passes over an [R, V] tensor)",
-                "wb_log_softmax with k (kernels/c/layer_ops.c): in the same pass per row, 16384 floats at a time "
-                "while they are in cache, MKL's vmsExp as torch.exp calls it, the sample.topk heap and the "
-                "sample.entropy sum; one row cut between the threads at torch's entropy chunks (the parts' top-k "
-                "merged by replaying each later part's entrants)",
+    Replacement("sample.model_record", "the traced sampler's record of each row's own distribution: "
+                "torch.softmax(logits), torch.topk of it and -(p * lp).sum(-1) (three passes over an [R, V] tensor)",
+                "wb_log_softmax with k (kernels/c/layer_ops.c): in the same pass per row, the log-softmax's exps "
+                "kept and scaled by the reciprocal of their sum (ATen's softmax), 16384 floats at a time while "
+                "they are in cache, into the sample.topk heap and the sample.entropy sum; one row cut between the "
+                "threads at torch's entropy chunks (the parts' top-k merged by replaying each later part's "
+                "entrants)",
                 IDENTICAL, ("threads",), MACHINE, ("workbench.engine.kernels.sampling",), native=True,
                 on_disk="passed", note="where sample.log_softmax, sample.topk and sample.entropy apply; compared on "
                 "the 97 probes at each k that applies; 0.4 s, so kept on disk"),

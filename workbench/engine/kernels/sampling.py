@@ -14,13 +14,12 @@ used only where every row agrees. Does not own: the sampling itself (engine/samp
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
 
 import torch
 
 from workbench.engine.kernels.book import BOOK
-from workbench.engine.kernels.native import load, mkl
+from workbench.engine.kernels.native import load
 from workbench.engine.kernels.verdict import Verdict
 
 Kernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (rows [R, V], per_row [R]) -> [R]
@@ -220,12 +219,12 @@ def log_softmax(logits: torch.Tensor, out: torch.Tensor,
     """`torch.log_softmax(logits, dim=-1, out=out)` for `logits [R, V]` (CPU float32 rows), with
     each row's argmax, by one native pass per row (wb_log_softmax, c/layer_ops.c: ATen's own steps,
     SLEEF's exp and log; one row longer than torch's grain is cut between the threads); with `k` the
-    traced sampler's record of each row's own distribution too, `p = lp.exp()`: `torch.topk(p, k)`
-    and `-(p * lp).sum(-1)`, without the `[R, V]` p. Returns `(argmax [R], (values [R, k], ids [R, k],
-    entropy [R]) or None)`; None where it does not apply (no rows, not CPU float32, a vocabulary under
-    64, k outside the top-k kernel's range, no compiler or no MKL exp), was not found identical on
-    this CPU, or a row holds a NaN or an infinite maximum: the caller runs torch's ops, and nothing
-    was written that it relies on."""
+    traced sampler's record of each row's own distribution too, `p = torch.softmax(logits, -1)` (the
+    same exps, kept, times the reciprocal of their sum): `torch.topk(p, k)` and `-(p * lp).sum(-1)`,
+    without an `[R, V]` p. Returns `(argmax [R], (values [R, k], ids [R, k], entropy [R]) or None)`;
+    None where it does not apply (no rows, not CPU float32, a vocabulary under 64, k outside the
+    top-k kernel's range, no compiler), was not found identical on this CPU, or a row holds a NaN or
+    an infinite maximum: the caller runs torch's ops, and nothing was written that it relies on."""
     if logits.dim() != 2 or logits.shape[0] < 1 or not _rows_ok(logits) or out.shape != logits.shape \
             or not out.is_contiguous() or out.dtype != torch.float32 or not 64 <= logits.shape[1] < 2**31 \
             or load() is None:
@@ -233,10 +232,9 @@ def log_softmax(logits: torch.Tensor, out: torch.Tensor,
     verdict = BOOK.decide("sample.log_softmax", (), _check_log_softmax)
     if not verdict.ok:
         return None
-    lanes, elanes, threads, vexp = int(verdict.facts["lanes"]), 1, torch.get_num_threads(), None
+    lanes, elanes, threads = int(verdict.facts["lanes"]), 1, torch.get_num_threads()
     if k:
-        vexp = _vexp()
-        if not (1 <= k <= 256 and k * 64 <= logits.shape[1]) or vexp is None:
+        if not 1 <= k <= 256 or k * 64 > logits.shape[1]:
             return None
         sums = BOOK.decide("sample.entropy", (threads,), lambda: _check_entropy(threads))
         if not sums.ok:
@@ -244,23 +242,10 @@ def log_softmax(logits: torch.Tensor, out: torch.Tensor,
         elanes = int(sums.facts["lanes"])
         if not BOOK.decide("sample.model_record", (threads,), lambda: _check_record(lanes, elanes, threads)).ok:
             return None
-    return _unchecked_log_softmax(logits, out, lanes, k, elanes, threads, vexp)
+    return _unchecked_log_softmax(logits, out, lanes, k, elanes, threads)
 
 
-_VEXP: list[int | None] = []  # _vexp's answer, once found
-
-
-def _vexp() -> int | None:
-    """The address of MKL's vmsExp in torch's own library (what torch.exp runs on CPU float32)."""
-    if not _VEXP:
-        lib = mkl()
-        fn = getattr(lib, "vmsExp", None) if lib is not None else None
-        _VEXP.append(ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None)
-    return _VEXP[0]
-
-
-def _unchecked_log_softmax(logits: torch.Tensor, out: torch.Tensor, lanes: int, k: int, elanes: int, threads: int,
-                           vexp: int | None = None
+def _unchecked_log_softmax(logits: torch.Tensor, out: torch.Tensor, lanes: int, k: int, elanes: int, threads: int
                            ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] | None:
     rows, vocab = logits.shape
     argmax = torch.empty(rows, dtype=torch.int64)
@@ -269,11 +254,11 @@ def _unchecked_log_softmax(logits: torch.Tensor, out: torch.Tensor, lanes: int, 
     if k:
         record = (torch.empty(rows, k, dtype=torch.float32), torch.empty(rows, k, dtype=torch.int64),
                   torch.empty(rows, dtype=torch.float32))
-        # the record's p: a piece of a row a thread, or one whole row (a row cut between the threads)
+        # the record's p: one row a thread (the row it works on), or one row cut between the threads
         scratch = torch.empty(max(threads, 1), vocab, dtype=torch.float32)
         pointers = (scratch.data_ptr(), *(t.data_ptr() for t in record))
     rc = load().wb_log_softmax(logits.data_ptr(), rows, vocab, logits.stride(0), lanes, out.data_ptr(),
-                               argmax.data_ptr(), k, (vexp or _vexp()) if k else None, elanes, *pointers, threads)
+                               argmax.data_ptr(), k, elanes, *pointers, threads)
     if rc < 0:
         raise ValueError(f"wb_log_softmax: lanes {lanes}, k {k}, elanes {elanes} or vocabulary {vocab} out of "
                          "its range")
@@ -328,13 +313,13 @@ def _check_log_softmax() -> Verdict:
 
 
 def _check_record(lanes: int, elanes: int, threads: int) -> Verdict:
-    """The fused record (exp of the log-softmax, its top-k, its entropy) against torch's
-    `lp.exp()`, `torch.topk` and `-(p * lp).sum(-1)` on the probes at every k of TOPK_KS that applies."""
+    """The fused record (softmax of the logits, its top-k, its entropy) against torch's
+    `torch.softmax`, `torch.topk` and `-(p * lp).sum(-1)` on the probes at every k of TOPK_KS that applies."""
     batches = mismatches = 0
     with torch.inference_mode():
         for x in _log_softmax_probes():
             lp = torch.log_softmax(x, dim=-1)
-            p = lp.exp()
+            p = torch.softmax(x, dim=-1)
             want_entropy = -(p * lp).sum(-1)
             for k in TOPK_KS:
                 if k * 64 > x.shape[1]:
@@ -352,8 +337,8 @@ def _check_record(lanes: int, elanes: int, threads: int) -> Verdict:
                 mismatches += not same
     facts = {"batches": batches, "mismatches": mismatches}
     if mismatches == 0:
-        return Verdict(True, f"kernel: lp.exp()'s top-k and entropy to the bit on all {batches} probe batches", facts)
-    return Verdict(False, f"torch: the fused record differed from lp.exp(), torch.topk and the entropy on "
+        return Verdict(True, f"kernel: softmax's top-k and entropy to the bit on all {batches} probe batches", facts)
+    return Verdict(False, f"torch: the fused record differed from torch.softmax, torch.topk and the entropy on "
                    f"{mismatches} of {batches} probe batches", facts)
 
 

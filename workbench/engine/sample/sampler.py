@@ -245,7 +245,8 @@ _STAGE_FNS = {"penalties": _stage_penalties, "logit_bias": _stage_logit_bias, "g
 
 
 class StageRecorder:
-    """Per row, the top-k distribution after every stage (only built when tracing asks for it)."""
+    """Per row, the top-k distribution after every stage (only built when tracing asks for it). The
+    model's own distribution is `torch.softmax(logits)`, as every stage's is of its logits."""
 
     def __init__(self, k: int, logits: torch.Tensor, info: SamplingBatchInfo,
                  logprobs: torch.Tensor | None = None, scratch: Callable[[], torch.Tensor] | None = None,
@@ -253,6 +254,7 @@ class StageRecorder:
         self.k = min(k, logits.shape[-1])
         self.info = info
         self.rows: list[list[dict[str, Any]]] = [[] for _ in range(logits.shape[0])]
+        self._logits = logits
         self._lp = torch.log_softmax(logits, dim=-1) if logprobs is None else logprobs
         self._prev: torch.Tensor | None = None  # the previous record's probabilities, when a stage needs them
         self._add_model(scratch, model)
@@ -260,21 +262,23 @@ class StageRecorder:
     @property
     def prev(self) -> torch.Tensor:
         if self._prev is None:  # the model's own distribution, rebuilt only for the first stage that applies
-            self._prev = self._lp.exp()
+            self._prev = torch.softmax(self._logits, dim=-1)
         return self._prev
 
     def _add_model(self, scratch: Callable[[], torch.Tensor] | None,
                    model: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
         """The model's own distribution, its top-k and entropy: given (`model`, from the sampler's
         native log-softmax pass), or in one `[R, V]` buffer reused step after step (`scratch()`):
-        exp, then top-k, then p * log p in place and the row sums. The same ops as on fresh tensors,
-        so the same values, without vocabulary-sized allocations per step."""
+        softmax, then top-k, then p * log p in place and the row sums. The same ops as on fresh
+        tensors, so the same values, without vocabulary-sized allocations per step."""
         lp = self._lp
         if model is not None:
             vals, ids, entropy_t = model
             entropy = entropy_t.tolist()
         else:
-            probs = torch.exp(lp, out=scratch()) if scratch is not None else lp.exp()
+            probs = torch.softmax(self._logits, dim=-1)
+            if scratch is not None:
+                probs = scratch().copy_(probs)
             vals, ids = sampling.topk(probs, self.k)
             # log-softmax of the raw (finite) logits: no 0 * -inf to guard
             native = sampling.entropy(probs, lp)  # the same bits in one pass (kernels/sampling.py)

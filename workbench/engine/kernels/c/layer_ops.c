@@ -10,7 +10,7 @@
  *   computes it: x / (1 + exp(-x)), its exp being SLEEF's expf_u10 (Sleef_expf16_u10 / expf8_u10,
  *   the same steps at either width), then the product rounded.
  * - wb_entropy and wb_log_softmax: the sampler's -(p * lp).sum(-1), and its log-softmax with each
- *   row's argmax and the traced record of the row's distribution (kernels/sampling.py).
+ *   row's argmax and the traced record of the row's distribution, softmax(x) (kernels/sampling.py).
  *
  * Built with -ffp-contract=off: every product is rounded before it is added, as torch's separate
  * mul and add kernels round it.
@@ -120,9 +120,8 @@ DEFINE_SUM_PRODUCTS(16)
 static int lanes_ok(int lanes) { return lanes == 1 || lanes == 4 || lanes == 8 || lanes == 16; }
 
 /* floats a piece: a multiple of every level block (level_step * ILP * L) where n < 2^31. The record
- * (wb_log_softmax) computes a row in pieces this long, each a call of MKL's vmsExp, which costs
- * about a microsecond a call in torch's process: at [32, 49152] on two threads, pieces of 2048
- * floats (x, lp and p in L1) take 0.3-0.4 ms longer than these (in L2). */
+ * (wb_log_softmax) finishes a row in pieces this long (lp, p and their sum while the piece is in
+ * cache). */
 #define SUM_PIECE 16384
 
 static void sum_open(sum_state *st, int64_t n) {
@@ -532,9 +531,11 @@ static int max_arg(const float *x, int64_t n, float *mx, int64_t *arg, int *narr
     return 0;
 }
 
-/* log(sum) from acc, the exps of the row's whole vectors summed lane by lane: the tail's exps added
- * into the first lanes (map_reduce_all), vec_reduce_all's halving tree, SLEEF's log. */
-static float lse_of(float *acc, const float *x, float mx, int64_t n, int lanes) {
+/* The sum of the row's exps from acc, the exps of its whole vectors summed lane by lane: the tail's
+ * exps added into the first lanes (map_reduce_all; reduce_all over stored exps adds them the same
+ * way), then vec_reduce_all's halving tree. torch.log_softmax takes SLEEF's log of it, torch.softmax
+ * multiplies each exp by its reciprocal. */
+static float exp_sum(float *acc, const float *x, float mx, int64_t n, int lanes) {
     const int64_t whole = n - n % lanes;
     for (int64_t i = 0; whole + i < n; i++) acc[i] = acc[i] + sleef_expf_u10(x[whole + i] - mx);
     for (int half = lanes / 2; half >= 1; half /= 2) {
@@ -542,7 +543,19 @@ static float lse_of(float *acc, const float *x, float mx, int64_t n, int lanes) 
         for (int i = 0; i < lanes; i++) next[i] = acc[i] + acc[i ^ half];
         memcpy(acc, next, sizeof(float) * (size_t)lanes);
     }
-    return sleef_logf_u10(acc[0], lanes == 16);
+    return acc[0];
+}
+
+static float lse_of(float sum, int lanes) { return sleef_logf_u10(sum, lanes == 16); }
+
+/* e[j] = exp(x[j] - mx) for the whole row (the vectors, then the tail), and acc its lanes' sums as
+ * exp_add leaves them: the exps softmax stores before it sums them. */
+static void exp_row(const float *x, float mx, int64_t n, int lanes, float *e, float *acc, int narrow) {
+    const int64_t nv = n / lanes;
+    exp_store(x, mx, 0, nv, lanes, e, narrow);
+    for (int64_t j = nv * lanes; j < n; j++) e[j] = sleef_expf_u10(x[j] - mx);
+    memcpy(acc, e, sizeof(float) * (size_t)lanes);
+    stored_add(e, 1, nv, lanes, acc);
 }
 
 #pragma GCC pop_options
@@ -579,15 +592,9 @@ void wb_topk_feed(wb_pair *h, int64_t k, const float *x, int64_t m, int64_t base
                   int64_t *logged);
 void wb_topk_replay(wb_pair *h, int64_t k, const wb_pair *log, int64_t count);
 void wb_topk_close(wb_pair *h, int64_t k, float *vals, int64_t *ids);
-/* MKL's vmsExp, called as torch.exp calls it on CPU float32 (ATen/cpu/vml.h: VML_HA |
- * VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE, whatever the global VML mode or MXCSR say) */
-typedef void (*vexp_fn)(int n, const float *a, float *r, long long mode);
-#define TORCH_VML_MODE (0x2LL | 0x140000LL | 0x100LL)
-
 typedef struct {
-    int64_t k;   /* the record's top-k; 0: no record */
-    vexp_fn exp; /* MKL's vmsExp, the exp torch.exp runs */
-    int elanes;  /* the entropy's sum width (wb_entropy's lanes) */
+    int64_t k;  /* the record's top-k; 0: no record */
+    int elanes; /* the entropy's sum width (wb_entropy's lanes) */
 } record_t;
 
 typedef struct {        /* the record of one span of a row */
@@ -598,11 +605,12 @@ typedef struct {        /* the record of one span of a row */
 } span_rec;
 
 /* lp[j] = (x[j] - mx) - lse over the span [b, e) of a row; with a record, piece by piece while the
- * piece is in cache: p = exp(lp) by MKL's vmsExp into p (at p + j where `keep`, else a piece-sized
- * buffer), its pairs offered to the span's heap (opened on its first k), and, where `sum`, p * lp
- * summed by the cascade from b (pieces of sum_piece floats). */
-static void span_out(const float *x, float *lp, float mx, float lse, int64_t b, int64_t e, const record_t *rec,
-                     float *p, int keep, int sum, span_rec *sr) {
+ * piece is in cache: p[j] (the exps of x - max, stored by the exp pass) times `inv`, the reciprocal
+ * of their sum (torch.softmax's last step), its pairs offered to the span's heap (opened on its
+ * first k), and, where `sum`, p * lp summed by the cascade from b (pieces of sum_piece floats).
+ * p is indexed as the row. */
+static void span_out(const float *x, float *lp, float mx, float lse, float inv, int64_t b, int64_t e,
+                     const record_t *rec, float *p, int sum, span_rec *sr) {
     if (rec->k == 0) {
         lp_write(x + b, mx, lse, lp + b, e - b);
         return;
@@ -610,13 +618,12 @@ static void span_out(const float *x, float *lp, float mx, float lse, int64_t b, 
     const int64_t k = rec->k, piece = sum_piece(e - b, rec->elanes);
     sum_state st;
     sum_open(&st, e - b);
-    float *q = p;
     int64_t c = b;
     for (;;) {
         const int64_t m = e - c < piece ? e - c : piece;
-        q = keep ? p + c : p;
+        float *q = p + c;
         lp_write(x + c, mx, lse, lp + c, m);
-        rec->exp((int)m, lp + c, q, TORCH_VML_MODE);
+        for (int64_t j = 0; j < m; j++) q[j] = q[j] * inv;
         if (c == b) { /* m >= k: a span holds k * 64 floats or more, a piece SUM_PIECE or all of them */
             wb_topk_open(sr->heap, q, k, b);
             if (sr->log != NULL) {
@@ -631,21 +638,26 @@ static void span_out(const float *x, float *lp, float mx, float lse, int64_t b, 
         if (c + m >= e) break;
         c += m;
     }
-    sr->sum = sum ? sum_close(&st, q, lp + c, c - b, rec->elanes) : 0.0f;
+    sr->sum = sum ? sum_close(&st, p + c, lp + c, c - b, rec->elanes) : 0.0f;
 }
 
-/* One row, one thread: wb_log_softmax's per-row pass. Returns 1 where torch's path must run. */
+/* One row, one thread: wb_log_softmax's per-row pass; p: n floats for the record's exps. Returns 1
+ * where torch's path must run. */
 static int ls_row(const float *x, int64_t n, int lanes, float *lp, int64_t *argmax, const record_t *rec, float *p,
                   float *vals, int64_t *ids, float *entropy) {
     float mx;
     int narrow;
     if (max_arg(x, n, &mx, argmax, &narrow)) return 1;
     float acc[16];
-    exp_store(x, mx, 0, 1, lanes, acc, narrow); /* map_reduce_all starts from the first vector's exps */
-    exp_add(x, mx, 1, n / lanes, lanes, acc, narrow);
-    const float lse = lse_of(acc, x, mx, n, lanes);
+    if (rec->k > 0) {
+        exp_row(x, mx, n, lanes, p, acc, narrow);
+    } else {
+        exp_store(x, mx, 0, 1, lanes, acc, narrow); /* map_reduce_all starts from the first vector's exps */
+        exp_add(x, mx, 1, n / lanes, lanes, acc, narrow);
+    }
+    const float total_exp = exp_sum(acc, x, mx, n, lanes);
     span_rec sr = {.log = NULL, .cap = 0, .logged = 0};
-    span_out(x, lp, mx, lse, 0, n, rec, p, 0, 1, &sr);
+    span_out(x, lp, mx, lse_of(total_exp, lanes), 1.0f / total_exp, 0, n, rec, p, 1, &sr);
     if (rec->k > 0) {
         wb_topk_close(sr.heap, rec->k, vals, ids);
         float total = 0.0f; /* as wb_entropy adds a batch row's one sum */
@@ -666,11 +678,11 @@ typedef struct {
 
 /* One row cut into `parts` spans of ceil(n / parts) floats, one a thread: torch.log_softmax runs a
  * row on one thread, but its maximum does not depend on the order, the exps of later spans can be
- * computed beside the first span's and added after them in the same order (stored in lp, which is
- * written last), and lp, p and the top-k (merged by wb_topk_replay) are a span's own. The entropy:
- * where torch's sum cuts the row into `parts` chunks at this many threads (wb_entropy), the spans
- * are those chunks, each summed from its start and the partial sums added in turn; a row torch sums
- * whole (`parts` > chunks = 1) is summed from p, kept whole in p, after the spans.
+ * computed beside the first span's and added after them in the same order (stored in lp, or in p
+ * with a record, and lp is written last), and lp, p and the top-k (merged by wb_topk_replay) are a
+ * span's own. The entropy: where torch's sum cuts the row into `parts` chunks at this many threads
+ * (wb_entropy), the spans are those chunks, each summed from its start and the partial sums added
+ * in turn; a row torch sums whole (`parts` > chunks = 1) is summed from p after the spans.
  * Returns 1 where torch's path must run. */
 static int ls_one_row(const float *x, int64_t n, int lanes, float *lp, int64_t *argmax, const record_t *rec,
                       float *p, float *vals, int64_t *ids, float *entropy, int64_t parts, int64_t chunks) {
@@ -682,7 +694,7 @@ static int ls_one_row(const float *x, int64_t n, int lanes, float *lp, int64_t *
         free(logs);
         return 1;
     }
-    float mx = 0.0f, lse = 0.0f, acc[16];
+    float mx = 0.0f, lse = 0.0f, inv = 0.0f, acc[16];
     int failed = 0, narrow = 0;
 #pragma omp parallel num_threads((int)parts)
     {
@@ -710,22 +722,32 @@ static int ls_one_row(const float *x, int64_t n, int lanes, float *lp, int64_t *
                 }
         }
         if (!failed) {
+            float *stored = k > 0 ? p : lp; /* where the later spans' exps wait to be added */
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < parts; t++) { /* the vectors that start in the span */
                 const int64_t v1 = t == parts - 1 ? nv : ((t + 1) * size + lanes - 1) / lanes;
-                if (t == 0) {
+                const int64_t w1 = v1 < nv ? v1 : nv;
+                if (t == 0 && k > 0) {
+                    exp_store(x, mx, 0, w1, lanes, p, narrow);
+                    memcpy(acc, p, sizeof(float) * (size_t)lanes);
+                    stored_add(p, 1, w1, lanes, acc);
+                } else if (t == 0) {
                     exp_store(x, mx, 0, 1, lanes, acc, narrow);
-                    exp_add(x, mx, 1, v1 < nv ? v1 : nv, lanes, acc, narrow);
+                    exp_add(x, mx, 1, w1, lanes, acc, narrow);
                 } else {
                     const int64_t v0 = (t * size + lanes - 1) / lanes;
-                    exp_store(x, mx, v0 < nv ? v0 : nv, v1 < nv ? v1 : nv, lanes, lp, narrow);
+                    exp_store(x, mx, v0 < nv ? v0 : nv, w1, lanes, stored, narrow);
                 }
+                if (t == parts - 1 && k > 0) /* the tail past the whole vectors: p's only */
+                    for (int64_t j = nv * lanes; j < n; j++) p[j] = sleef_expf_u10(x[j] - mx);
             }
 #pragma omp single
             {
                 const int64_t v0 = (size + lanes - 1) / lanes;
-                stored_add(lp, v0 < nv ? v0 : nv, nv, lanes, acc);
-                lse = lse_of(acc, x, mx, n, lanes);
+                stored_add(stored, v0 < nv ? v0 : nv, nv, lanes, acc);
+                const float total_exp = exp_sum(acc, x, mx, n, lanes);
+                lse = lse_of(total_exp, lanes);
+                inv = 1.0f / total_exp;
             }
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < parts; t++) {
@@ -733,7 +755,7 @@ static int ls_one_row(const float *x, int64_t n, int lanes, float *lp, int64_t *
                 part[t].rec.log = t > 0 && logs != NULL ? logs + t * PART_LOG : NULL;
                 part[t].rec.cap = PART_LOG;
                 part[t].rec.logged = 0;
-                span_out(x, lp, mx, lse, b, e, rec, p, 1, chunks == parts, &part[t].rec);
+                span_out(x, lp, mx, lse, inv, b, e, rec, p, chunks == parts, &part[t].rec);
             }
 #pragma omp single
             if (k > 0) {
@@ -763,24 +785,21 @@ static int ls_one_row(const float *x, int64_t n, int lanes, float *lp, int64_t *
  * floats a vector: the maximum; the exps of x - max summed as vec::map_reduce_all does, one vector
  * of partial sums over the row, the tail's lanes added into the first ones, then vec_reduce_all's
  * halving tree; SLEEF's log of the sum; (x - max) - log) and the argmax of x (argmax [rows]); with
- * k > 0 also the record of the row's own distribution: p = exp(lp) by the exp torch.exp runs (MKL's
- * vmsExp at `vexp`, in torch's mode), its top-k as wb_topk (vals, ids [rows, k]), its entropy
- * -(p * lp).sum() as wb_entropy sums it at `elanes` (entropy [rows]), p a piece at a time in the
- * thread's row of `scratch` [threads, n] while it is in cache.
+ * k > 0 also the record of the row's own distribution: p = torch.softmax(x) (ATen's
+ * _vec_softmax_lastdim: the same exps, stored, and the same sum, each exp times 1 / sum), its top-k
+ * as wb_topk (vals, ids [rows, k]), its entropy -(p * lp).sum() as wb_entropy sums it at `elanes`
+ * (entropy [rows]), p in the thread's row of `scratch` [threads, n], a piece at a time while it is
+ * in cache after the exp pass.
  * Several rows: one task per row. One row with several threads: cut into spans as ls_one_row says
- * (torch's chunks of its sum, or two spans where it sums the row whole), p in scratch's first row;
- * every vmsExp call then runs inside a parallel region of two or more threads, where MKL does not
- * start threads of its own (outside one, with torch's thread count above one, it does: about 0.1 ms
- * a call of 2048 floats on the 2-core EPYC, measured in C).
+ * (torch's chunks of its sum, or two spans where it sums the row whole), p in scratch's first row.
  * Returns 0; 1 where a row holds a NaN or an infinite maximum (nothing is decided: run torch's path
  * for the batch); -1 for arguments out of range. */
 int wb_log_softmax(const float *x, int64_t rows, int64_t n, int64_t stride, int lanes, float *out, int64_t *argmax,
-                   int64_t k, void *vexp, int elanes, float *scratch, float *vals, int64_t *ids, float *entropy,
-                   int threads) {
+                   int64_t k, int elanes, float *scratch, float *vals, int64_t *ids, float *entropy, int threads) {
     if ((lanes != 16 && lanes != 8) || n < lanes || n > 2147483647 || rows < 1) return -1;
-    if (k < 0 || (k > 0 && (k > 256 || k * 64 > n || vexp == NULL || scratch == NULL || !lanes_ok(elanes))))
+    if (k < 0 || (k > 0 && (k > 256 || k * 64 > n || scratch == NULL || !lanes_ok(elanes))))
         return -1;
-    const record_t rec = {k, (vexp_fn)vexp, elanes};
+    const record_t rec = {k, elanes};
     threads = threads > 0 ? threads : 1;
     int64_t chunks = (n + 32767) / 32768; /* wb_entropy's chunks of one row */
     if (chunks > threads) chunks = threads;
