@@ -300,6 +300,25 @@ def test_unchanged_sampling_stages_are_stored_once_and_read_back_whole(tmp_path:
     assert list(open_trace(path).events(kind="sampling")) == [event]
 
 
+def test_fields_left_at_none_are_not_stored_and_read_back_as_none(tmp_path: Path) -> None:
+    # A greedy row's draw, a summary's logits tensor, a running request's finish reason: None, so a
+    # file leaves them out (less to encode, and no null for the encoder to tell from a NaN); reading
+    # restores them. A None nested in a value is kept as it is.
+    events = [ev.SamplingStages(step=1, req_id="a", t=1.0, position=0, chosen=5, draw=None),
+              ev.Logits(step=1, req_id="a", t=1.0, top_ids=[5], top_logits=[2.5], entropy=0.5, tensor=None),
+              ev.FinishDecision(step=1, req_id="a", t=1.0, checks=[{"name": "abort", "inputs": {"reason": None},
+                                                                   "result": False}]),
+              ev.SamplingStages(step=2, req_id="a", t=2.0, position=1, chosen=3, draw=0.25, greedy=False)]
+    path = tmp_path / "n.wbtrace"
+    with TraceWriter(path) as w:
+        for event in events:
+            w.write(event)
+    stored = [row[0] for row in sqlite3.connect(path).execute("SELECT payload FROM events ORDER BY id")]
+    assert '"draw"' not in stored[0] and '"tensor"' not in stored[1] and '"finish_reason"' not in stored[2]
+    assert '"reason":null' in stored[2] and '"draw":0.25' in stored[3]
+    assert list(open_trace(path).events()) == events
+
+
 def test_a_stage_made_from_the_one_before_is_named_only_and_one_moved_is_stored_whole(tmp_path: Path) -> None:
     logits = {"name": "logits", "top_ids": [5, 7], "top_probs": [0.6, 0.3], "kept_mass": 1.0, "kept_count": 40,
               "entropy": 1.1, "applied": True}

@@ -35,6 +35,7 @@ def level_value(level: str) -> int:
 
 
 _PAYLOAD_FIELDS: dict[type, tuple[str, ...]] = {}  # per event class, the fields its payload holds
+_NONE_DEFAULTS: dict[type, tuple[str, ...]] = {}  # per event class, its payload fields that default to None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,6 +53,21 @@ class Event:
             names = _PAYLOAD_FIELDS[type(self)] = tuple(
                 f.name for f in dataclasses.fields(self) if f.name not in ("step", "req_id", "t"))
         return {name: getattr(self, name) for name in names}
+
+    def stored_payload(self) -> dict[str, Any]:
+        """The payload as a trace file keeps it: a field holding None whose default is None is left
+        out (`event_from_json` fills the default in again), so that most events' JSON holds no null
+        and the writer's encoder need not tell a None from a NaN in it (format.json_dumps)."""
+        out = self.payload()
+        names = _NONE_DEFAULTS.get(type(self))
+        if names is None:
+            names = _NONE_DEFAULTS[type(self)] = tuple(
+                f.name for f in dataclasses.fields(self)
+                if f.name not in ("step", "req_id", "t") and f.default is None)
+        for name in names:
+            if name in out and out[name] is None:
+                del out[name]
+        return out
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "step": self.step, "req_id": self.req_id, "t": self.t,

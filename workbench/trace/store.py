@@ -198,7 +198,7 @@ class TraceWriter:
     @staticmethod
     def _event_parts(event: Event) -> tuple[int, float, dict[str, Any]]:
         """(step, t, payload) of an event as stored; ValueError for a step SQLite cannot hold."""
-        step, t, payload = int(event.step), float(event.t), event.payload()
+        step, t, payload = int(event.step), float(event.t), event.stored_payload()
         if not -(2**63) <= step < 2**63:
             raise ValueError(f"step {step} does not fit in 64 bits")
         return step, (0.0 if t != t else t), payload  # SQLite would store NaN as NULL
