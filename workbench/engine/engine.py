@@ -100,7 +100,7 @@ class Engine:
         self.prefix_sharing = a.prefix_sharing
         self.tracer = self._make_tracer(trace, trace_level, trace_sinks)
         self.observer = tracing.TraceObserver(self.tracer, self.memory.allocator, self.outputs.token_text, trace_topk,
-                                              attention=self._attention_record)
+                                              attention=self._attention_record, token_texts=self.outputs.token_texts)
         self.capture = Capturer(self.runner.model, capture, spec is not None, self.tracer)  # run/capture.py
         self.output_stage = OutputStage(self.outputs, self._release)
         self.finished: dict[str, RequestOutput] = self.output_stage.finished

@@ -89,12 +89,14 @@ class TraceObserver:
     """Called by the pipeline at its seams; emits nothing while `tracer.on` is False."""
 
     def __init__(self, tracer: Tracer, allocator: TokenToKVPoolAllocator, token_text: Callable[[int], str],
-                 topk: int, attention: Callable[[str, int | None], list[dict[str, Any]]] | None = None) -> None:
+                 topk: int, attention: Callable[[str, int | None], list[dict[str, Any]]] | None = None,
+                 token_texts: Callable[[list[int]], list[str]] | None = None) -> None:
         self.tracer = tracer
         # per layer of a forward, the attention it runs (model "target" or "draft", layer limit)
         self.attention = attention or (lambda model, layer_limit: [])
         self.allocator = allocator
         self.token_text = token_text
+        self.token_texts = token_texts or (lambda ids: [token_text(t) for t in ids])  # many ids at once
         self.trace_topk = topk
         self._held: list[ev.Event] | None = None  # what `by_kind` holds back
 
@@ -207,7 +209,9 @@ class TraceObserver:
         # softmax and log-softmax keep the order of the logits: one top-k serves every list
         if sample.stages is not None:
             top_ids = [list(row[0]["top_ids"]) for row in sample.stages]  # the Logits events own their lists
-            index = torch.tensor(top_ids, dtype=torch.int64, device=logits.device)
+            index = sample.record_ids  # those ids, as the sampler's record computed them
+            if index is None:
+                index = torch.tensor(top_ids, dtype=torch.int64, device=logits.device)
             top_vals = logits.gather(1, index).tolist()
         else:
             top_vals, index = logits.topk(min(k, logits.shape[-1]), dim=-1)
@@ -237,9 +241,10 @@ class TraceObserver:
                     step=step, req_id=req.req_id, t=t, position=position, stages=sample.stages[i],
                     chosen=sample.next_token_ids[i], greedy=req.params.temperature == 0, draw=sample.draws[i],
                     seeded=req.generator is not None))
+        texts = self.token_texts
         for i, (req, position) in enumerate(zip(reqs, positions)):
             tok = sample.next_token_ids[i]
-            tops = [[tid, v, text(tid)] for tid, v in zip(top_ids[i], lp_vals[i])]
+            tops = list(map(list, zip(top_ids[i], lp_vals[i], texts(top_ids[i]))))  # [id, logprob, text] each
             emit(ev.TokenChosen(
                 step=step, req_id=req.req_id, t=t, position=position, token_id=tok, text=text(tok),
                 logprob=_finite(sample.logprobs[i]), rank=sample.ranks[i], top_logprobs=tops,

@@ -35,6 +35,13 @@ class OutputProcessor:
             self._token_text[token_id] = text
         return text
 
+    def token_texts(self, token_ids: list[int]) -> list[str]:
+        """`token_text` of each id: looked up in one C call where the table has them all."""
+        try:
+            return list(map(self._token_text.__getitem__, token_ids))
+        except KeyError:
+            return [self.token_text(t) for t in token_ids]
+
     def step_logprobs(self, req: Req, ids: list[int]) -> list[TokenLogprob] | None:
         """Logprobs of the tokens `ids` this step appended to `req` (None when it asked for none).
 

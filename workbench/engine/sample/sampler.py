@@ -163,6 +163,8 @@ class SamplerOutput:
     raw_logprobs: torch.Tensor | None
     token_ids_logprobs: list[dict[int, float]]
     forced: list[int] = field(default_factory=list)  # rows whose token was forced (Engine.force_token)
+    # [R, k] int64: the ids of the record's first stage (the model's own distribution), when traced
+    record_ids: torch.Tensor | None = None
 
 
 def _force(ids: torch.Tensor, info: SamplingBatchInfo) -> tuple[torch.Tensor, list[int]]:
@@ -257,6 +259,7 @@ class StageRecorder:
         self._logits = logits
         self._lp = torch.log_softmax(logits, dim=-1) if logprobs is None else logprobs
         self._prev: torch.Tensor | None = None  # the previous record's probabilities, when a stage needs them
+        self.model_ids: torch.Tensor | None = None  # [R, k] ids of the model distribution's record
         self._add_model(scratch, model)
 
     @property
@@ -284,6 +287,7 @@ class StageRecorder:
             native = sampling.entropy(probs, lp)  # the same bits in one pass (kernels/sampling.py)
             entropy = (native if native is not None else -(probs.mul_(lp).sum(-1))).tolist()
         rows, vocab = lp.shape
+        self.model_ids = ids
         self._append("logits", vals, ids, [1.0] * rows, [vocab] * rows, entropy, [True] * rows)
 
     def record(self, stage: str, x: torch.Tensor) -> None:
@@ -433,4 +437,5 @@ class Sampler:
         argmax_rows = [r for r in range(rows) if r not in forced] if final is None else ()
         facts = lp_mod.token_logprobs(lp, ids, info.need_top_logprobs, info.token_ids_logprob, argmax_rows)
         return SamplerOutput(ids.tolist(), facts.logprobs, facts.ranks, facts.top, draws,
-                             recorder.rows if recorder is not None else None, raw_lp, facts.token_ids, forced)
+                             recorder.rows if recorder is not None else None, raw_lp, facts.token_ids, forced,
+                             recorder.model_ids if recorder is not None else None)
