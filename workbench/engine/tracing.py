@@ -204,7 +204,6 @@ class TraceObserver:
             return
         k = self.trace_topk
         step, t = ctx.step, _now()
-        lp = sample.raw_logprobs
         # One device-to-host transfer per quantity for the whole batch (a per-row .tolist() syncs a GPU each time).
         # softmax and log-softmax keep the order of the logits: one top-k serves every list
         if sample.stages is not None:
@@ -216,7 +215,7 @@ class TraceObserver:
         else:
             top_vals, index = logits.topk(min(k, logits.shape[-1]), dim=-1)
             top_vals, top_ids = top_vals.tolist(), index.tolist()
-        lp_vals = lp.gather(1, index).tolist()
+        lp_vals = sample.raw_logprobs_at(index).tolist()
         if sample.stages is not None:  # the sampler's first record is the model's own distribution
             entropy = [row[0]["entropy"] for row in sample.stages]
         else:

@@ -119,7 +119,7 @@ def _load_c() -> ctypes.CDLL | None:
     log_softmax.restype = ctypes.c_int
     log_softmax.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                                                       ctypes.c_int64, ctypes.c_int] + \
-        [ctypes.c_void_p] * 4 + [ctypes.c_int]
+        [ctypes.c_void_p] * 5 + [ctypes.c_int]
     blocked = lib.wb_linear_rows
     blocked.restype = ctypes.c_int
     blocked.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_int]

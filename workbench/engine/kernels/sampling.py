@@ -214,20 +214,31 @@ def _check_entropy(threads: int) -> Verdict:
 LOG_SOFTMAX_LANES = (16, 8)  # torch's Vectorized<float> width: its AVX512 kernels, its AVX2 ones
 
 
-def log_softmax(logits: torch.Tensor, out: torch.Tensor,
-                k: int = 0) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] | None:
+Record = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the model's record: values [R, k], ids [R, k], entropy [R]
+
+
+def log_softmax(logits: torch.Tensor, out: torch.Tensor | None,
+                k: int = 0) -> tuple[torch.Tensor, Record | None, torch.Tensor] | None:
     """`torch.log_softmax(logits, dim=-1, out=out)` for `logits [R, V]` (CPU float32 rows), with
     each row's argmax, by one native pass per row (wb_log_softmax, c/layer_ops.c: ATen's own steps,
     SLEEF's exp and log; one row longer than torch's grain is cut between the threads); with `k` the
     traced sampler's record of each row's own distribution too, `p = torch.softmax(logits, -1)` (the
     same exps, kept, times the reciprocal of their sum): `torch.topk(p, k)` and `-(p * lp).sum(-1)`,
-    without an `[R, V]` p. Returns `(argmax [R], (values [R, k], ids [R, k], entropy [R]) or None)`;
-    None where it does not apply (no rows, not CPU float32, a vocabulary under 64, k outside the
-    top-k kernel's range, no compiler), was not found identical on this CPU, or a row holds a NaN or
-    an infinite maximum: the caller runs torch's ops, and nothing was written that it relies on."""
-    if logits.dim() != 2 or logits.shape[0] < 1 or not _rows_ok(logits) or out.shape != logits.shape \
-            or not out.is_contiguous() or out.dtype != torch.float32 or not 64 <= logits.shape[1] < 2**31 \
+    without an `[R, V]` p. `out` None (with `k`, two rows or more): the log-softmax is not stored,
+    only used for the record. Returns `(argmax [R], (values [R, k], ids [R, k], entropy [R]) or None,
+    stats [R, 2])`, stats holding each row's maximum and log of its sum, from which `lp_at` gives the
+    log-softmax at any index; None where it does not apply (no rows, not CPU float32, a vocabulary
+    under 64, k outside the top-k kernel's range, no compiler), was not found identical on this CPU,
+    or a row holds a NaN or an infinite maximum: the caller runs torch's ops, and nothing was written
+    that it relies on."""
+    rows = logits.shape[0] if logits.dim() == 2 else 0
+    if logits.dim() != 2 or rows < 1 or not _rows_ok(logits) or not 64 <= logits.shape[1] < 2**31 \
             or load() is None:
+        return None
+    if out is None:
+        if not k or rows < 2:
+            return None
+    elif out.shape != logits.shape or not out.is_contiguous() or out.dtype != torch.float32:
         return None
     verdict = BOOK.decide("sample.log_softmax", (), _check_log_softmax)
     if not verdict.ok:
@@ -245,11 +256,18 @@ def log_softmax(logits: torch.Tensor, out: torch.Tensor,
     return _unchecked_log_softmax(logits, out, lanes, k, elanes, threads)
 
 
-def _unchecked_log_softmax(logits: torch.Tensor, out: torch.Tensor, lanes: int, k: int, elanes: int, threads: int
-                           ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] | None:
+def lp_at(logits: torch.Tensor, stats: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`torch.log_softmax(logits, -1).gather(1, index)` from `log_softmax`'s stats: ATen's
+    `(x - max) - log(sum)`, the same two rounded steps, at the `[R, n]` indices only."""
+    return (logits.gather(1, index) - stats[:, :1]) - stats[:, 1:]
+
+
+def _unchecked_log_softmax(logits: torch.Tensor, out: torch.Tensor | None, lanes: int, k: int, elanes: int,
+                           threads: int) -> tuple[torch.Tensor, Record | None, torch.Tensor] | None:
     rows, vocab = logits.shape
     argmax = torch.empty(rows, dtype=torch.int64)
-    record: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    stats = torch.empty(rows, 2, dtype=torch.float32)
+    record: Record | None = None
     pointers: tuple[int | None, ...] = (None,) * 4
     if k:
         record = (torch.empty(rows, k, dtype=torch.float32), torch.empty(rows, k, dtype=torch.int64),
@@ -257,14 +275,15 @@ def _unchecked_log_softmax(logits: torch.Tensor, out: torch.Tensor, lanes: int, 
         # the record's p: one row a thread (the row it works on), or one row cut between the threads
         scratch = torch.empty(max(threads, 1), vocab, dtype=torch.float32)
         pointers = (scratch.data_ptr(), *(t.data_ptr() for t in record))
-    rc = load().wb_log_softmax(logits.data_ptr(), rows, vocab, logits.stride(0), lanes, out.data_ptr(),
-                               argmax.data_ptr(), k, elanes, *pointers, threads)
+    rc = load().wb_log_softmax(logits.data_ptr(), rows, vocab, logits.stride(0), lanes,
+                               out.data_ptr() if out is not None else None, argmax.data_ptr(), k, elanes, *pointers,
+                               stats.data_ptr(), threads)
     if rc < 0:
-        raise ValueError(f"wb_log_softmax: lanes {lanes}, k {k}, elanes {elanes} or vocabulary {vocab} out of "
-                         "its range")
+        raise ValueError(f"wb_log_softmax: lanes {lanes}, k {k}, elanes {elanes}, vocabulary {vocab} or an unstored "
+                         "log-softmax out of its range")
     if rc:
         return None  # a NaN or an infinite maximum in some row: torch's ops
-    return argmax, record
+    return argmax, record, stats
 
 
 def _log_softmax_probes() -> list[torch.Tensor]:
@@ -285,8 +304,9 @@ def _log_softmax_probes() -> list[torch.Tensor]:
 
 
 def _check_log_softmax() -> Verdict:
-    """The native log-softmax against torch.log_softmax (every bit) and its argmax against
-    torch.argmax, at each vector width of LOG_SOFTMAX_LANES, on the probes; a batch with a NaN
+    """The native log-softmax against torch.log_softmax (every bit, stored and as `lp_at` gives it
+    from the stats) and its argmax against torch.argmax, at each vector width of LOG_SOFTMAX_LANES,
+    on the probes; a batch with a NaN
     must be refused (left to torch), and a row with one in its second part. The first width
     matching all is kept (lanes in facts)."""
     probes = _log_softmax_probes()
@@ -300,7 +320,9 @@ def _check_log_softmax() -> Verdict:
             for x, (want_lp, want_arg) in zip(probes, wants, strict=True):
                 out = torch.empty_like(x)
                 got = _unchecked_log_softmax(x, out, lanes, 0, 1, threads)
-                if got is None or not torch.equal(out, want_lp) or not torch.equal(got[0], want_arg):
+                every = torch.arange(x.shape[1]).expand(x.shape[0], -1)  # lp_at from the stats, at every index
+                if got is None or not torch.equal(out, want_lp) or not torch.equal(got[0], want_arg) \
+                        or not torch.equal(lp_at(x, got[2], every), want_lp):
                     ok = False
                     break
             if ok and all(_unchecked_log_softmax(x, torch.empty_like(x), lanes, 0, 1, threads) is None
@@ -314,7 +336,8 @@ def _check_log_softmax() -> Verdict:
 
 def _check_record(lanes: int, elanes: int, threads: int) -> Verdict:
     """The fused record (softmax of the logits, its top-k, its entropy) against torch's
-    `torch.softmax`, `torch.topk` and `-(p * lp).sum(-1)` on the probes at every k of TOPK_KS that applies."""
+    `torch.softmax`, `torch.topk` and `-(p * lp).sum(-1)` on the probes at every k of TOPK_KS that
+    applies, with the log-softmax stored and, for a batch, not stored."""
     batches = mismatches = 0
     with torch.inference_mode():
         for x in _log_softmax_probes():
@@ -325,16 +348,18 @@ def _check_record(lanes: int, elanes: int, threads: int) -> Verdict:
                 if k * 64 > x.shape[1]:
                     continue
                 want_v, want_i = p.topk(k, dim=-1)
-                got = _unchecked_log_softmax(x, torch.empty_like(x), lanes, k, elanes, threads)
-                batches += 1
-                if got is None or got[1] is None:
-                    mismatches += 1
-                    continue
-                got_v, got_i, got_e = got[1]
-                same = torch.equal(got_v, want_v) and torch.equal(got_i, want_i) and \
-                    torch.equal(got_e.isnan(), want_entropy.isnan()) and \
-                    bool((got_e == want_entropy).logical_or(got_e.isnan()).all())
-                mismatches += not same
+                # the log-softmax stored, and (several rows) only computed for the record
+                for out in (torch.empty_like(x), None) if x.shape[0] > 1 else (torch.empty_like(x),):
+                    got = _unchecked_log_softmax(x, out, lanes, k, elanes, threads)
+                    batches += 1
+                    if got is None or got[1] is None:
+                        mismatches += 1
+                        continue
+                    got_v, got_i, got_e = got[1]
+                    same = torch.equal(got_v, want_v) and torch.equal(got_i, want_i) and \
+                        torch.equal(got_e.isnan(), want_entropy.isnan()) and \
+                        bool((got_e == want_entropy).logical_or(got_e.isnan()).all())
+                    mismatches += not same
     facts = {"batches": batches, "mismatches": mismatches}
     if mismatches == 0:
         return Verdict(True, f"kernel: softmax's top-k and entropy to the bit on all {batches} probe batches", facts)

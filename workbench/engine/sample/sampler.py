@@ -159,12 +159,23 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]]
     draws: list[float | None]  # the uniform each row used (None for greedy rows)
     stages: list[list[dict[str, Any]]] | None  # per row, one dict per stage (when traced)
-    # [R, V] log-softmax of the model's logits (None: not computed); a buffer the next call overwrites
+    # [R, V] log-softmax of the model's logits (None: not computed, or not stored: raw_logprobs_at
+    # gives it at any index where lp_stats is set); a buffer the next call overwrites
     raw_logprobs: torch.Tensor | None
     token_ids_logprobs: list[dict[int, float]]
     forced: list[int] = field(default_factory=list)  # rows whose token was forced (Engine.force_token)
     # [R, k] int64: the ids of the record's first stage (the model's own distribution), when traced
     record_ids: torch.Tensor | None = None
+    # (logits, stats [R, 2]) where raw_logprobs was not stored: each row's maximum and log-sum
+    lp_stats: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def raw_logprobs_at(self, index: torch.Tensor) -> torch.Tensor:
+        """`raw_logprobs.gather(1, index)` (`index [R, n]`), whether or not raw_logprobs was stored."""
+        if self.raw_logprobs is not None:
+            return self.raw_logprobs.gather(1, index)
+        if self.lp_stats is None:
+            raise ValueError("raw logprobs were not computed for this batch")
+        return sampling.lp_at(*self.lp_stats, index)
 
 
 def _force(ids: torch.Tensor, info: SamplingBatchInfo) -> tuple[torch.Tensor, list[int]]:
@@ -257,7 +268,7 @@ class StageRecorder:
         self.info = info
         self.rows: list[list[dict[str, Any]]] = [[] for _ in range(logits.shape[0])]
         self._logits = logits
-        self._lp = torch.log_softmax(logits, dim=-1) if logprobs is None else logprobs
+        self._lp = logprobs  # computed by _add_model where not given and needed
         self._prev: torch.Tensor | None = None  # the previous record's probabilities, when a stage needs them
         self.model_ids: torch.Tensor | None = None  # [R, k] ids of the model distribution's record
         self._add_model(scratch, model)
@@ -274,11 +285,13 @@ class StageRecorder:
         native log-softmax pass), or in one `[R, V]` buffer reused step after step (`scratch()`):
         softmax, then top-k, then p * log p in place and the row sums. The same ops as on fresh
         tensors, so the same values, without vocabulary-sized allocations per step."""
-        lp = self._lp
         if model is not None:
             vals, ids, entropy_t = model
             entropy = entropy_t.tolist()
         else:
+            if self._lp is None:
+                self._lp = torch.log_softmax(self._logits, dim=-1)
+            lp = self._lp
             probs = torch.softmax(self._logits, dim=-1)
             if scratch is not None:
                 probs = scratch().copy_(probs)
@@ -286,7 +299,7 @@ class StageRecorder:
             # log-softmax of the raw (finite) logits: no 0 * -inf to guard
             native = sampling.entropy(probs, lp)  # the same bits in one pass (kernels/sampling.py)
             entropy = (native if native is not None else -(probs.mul_(lp).sum(-1))).tolist()
-        rows, vocab = lp.shape
+        rows, vocab = self._logits.shape
         self.model_ids = ids
         self._append("logits", vals, ids, [1.0] * rows, [vocab] * rows, entropy, [True] * rows)
 
@@ -413,15 +426,25 @@ class Sampler:
             ids, forced = _force(first_argmax(logits), info)
             return SamplerOutput(ids.tolist(), [math.nan] * rows, [0] * rows, [[] for _ in range(rows)],
                                  [None] * rows, None, None, [{} for _ in range(rows)], forced)
+        k = min(trace_topk, logits.shape[-1]) if rows else 0
+        staged = info.needs_stages or (k > 0 and info.any_stage_applied())
+        if k and rows > 1 and not staged and not info.need_top_logprobs and not any(info.token_ids_logprob) \
+                and not any(req.forced_tokens for req in info.reqs):
+            # a traced batch of greedy rows that asks for no more than each pick's logprob: the
+            # native pass records without storing the [R, V] log-softmax (its logprobs at the few
+            # indices the trace shows come from each row's maximum and log-sum: sampling.lp_at)
+            native = sampling.log_softmax(logits, None, k)
+            if native is not None:
+                return self._traced_argmax(logits, info, k, native)
         raw_lp = self._buffer("raw_logprobs", logits)
         # the log-softmax and each row's argmax (and, traced, the record of the model's distribution)
         # in one native pass per row where it was found identical to torch's ops (kernels/sampling.py)
-        native = sampling.log_softmax(logits, raw_lp, min(trace_topk, logits.shape[-1]) if rows else 0)
+        native = sampling.log_softmax(logits, raw_lp, k)
         if native is None:
             torch.log_softmax(logits, dim=-1, out=raw_lp)
         recorder = StageRecorder(trace_topk, logits, info, raw_lp, lambda: self._buffer("stages", logits),
-                                 native[1] if native is not None else None) if trace_topk and rows else None
-        if info.needs_stages or (recorder is not None and info.any_stage_applied()):
+                                 native[1] if native is not None else None) if k else None
+        if staged:
             final = self.process(logits, info, recorder)
             ids, u = self.draw(self._final_probs(final, info), info)
             draws = [None if math.isnan(x) else x for x in u.tolist()]
@@ -439,3 +462,18 @@ class Sampler:
         return SamplerOutput(ids.tolist(), facts.logprobs, facts.ranks, facts.top, draws,
                              recorder.rows if recorder is not None else None, raw_lp, facts.token_ids, forced,
                              recorder.model_ids if recorder is not None else None)
+
+    def _traced_argmax(self, logits: torch.Tensor, info: SamplingBatchInfo, k: int,
+                       native: tuple[torch.Tensor, sampling.Record | None, torch.Tensor]) -> SamplerOutput:
+        """`__call__` for a traced batch of greedy rows that no stage touches, asking no top or named
+        logprobs, none forced, from the native pass that stored no log-softmax: each row takes its
+        argmax (rank 1), its logprob from the row's stats, and the model's record."""
+        rows = logits.shape[0]
+        ids, record, stats = native
+        recorder = StageRecorder(k, logits, info, None, None, record)
+        for stage in self.stage_order:
+            recorder.record(stage, logits)  # applies to no row: repeats the logits record
+        picked = sampling.lp_at(logits, stats, ids[:, None])[:, 0]
+        return SamplerOutput(ids.tolist(), picked.tolist(), [1] * rows, [[] for _ in range(rows)], [None] * rows,
+                             recorder.rows, None, [{} for _ in range(rows)], [], recorder.model_ids,
+                             (logits, stats))

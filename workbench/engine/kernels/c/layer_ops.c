@@ -608,7 +608,8 @@ typedef struct {        /* the record of one span of a row */
  * piece is in cache: p[j] (the exps of x - max, stored by the exp pass) times `inv`, the reciprocal
  * of their sum (torch.softmax's last step), its pairs offered to the span's heap (opened on its
  * first k), and, where `sum`, p * lp summed by the cascade from b (pieces of sum_piece floats).
- * p is indexed as the row. */
+ * p is indexed as the row. lp NULL (a record only): each piece of lp lives in a buffer of the
+ * thread's own while it is summed, and the row's lp is not stored. */
 static void span_out(const float *x, float *lp, float mx, float lse, float inv, int64_t b, int64_t e,
                      const record_t *rec, float *p, int sum, span_rec *sr) {
     if (rec->k == 0) {
@@ -616,13 +617,16 @@ static void span_out(const float *x, float *lp, float mx, float lse, float inv, 
         return;
     }
     const int64_t k = rec->k, piece = sum_piece(e - b, rec->elanes);
+    float local[SUM_PIECE]; /* wb_log_softmax sees to piece <= SUM_PIECE where lp is NULL */
     sum_state st;
     sum_open(&st, e - b);
     int64_t c = b;
+    float *l = lp != NULL ? lp + c : local;
     for (;;) {
         const int64_t m = e - c < piece ? e - c : piece;
         float *q = p + c;
-        lp_write(x + c, mx, lse, lp + c, m);
+        l = lp != NULL ? lp + c : local;
+        lp_write(x + c, mx, lse, l, m);
         for (int64_t j = 0; j < m; j++) q[j] = q[j] * inv;
         if (c == b) { /* m >= k: a span holds k * 64 floats or more, a piece SUM_PIECE or all of them */
             wb_topk_open(sr->heap, q, k, b);
@@ -634,17 +638,17 @@ static void span_out(const float *x, float *lp, float mx, float lse, float inv, 
         } else {
             wb_topk_feed(sr->heap, k, q, m, c, sr->log, sr->cap, &sr->logged);
         }
-        if (sum) sum_feed(&st, q, lp + c, c - b, c + m - b, rec->elanes);
+        if (sum) sum_feed(&st, q, l, c - b, c + m - b, rec->elanes);
         if (c + m >= e) break;
         c += m;
     }
-    sr->sum = sum ? sum_close(&st, p + c, lp + c, c - b, rec->elanes) : 0.0f;
+    sr->sum = sum ? sum_close(&st, p + c, l, c - b, rec->elanes) : 0.0f;
 }
 
 /* One row, one thread: wb_log_softmax's per-row pass; p: n floats for the record's exps. Returns 1
  * where torch's path must run. */
 static int ls_row(const float *x, int64_t n, int lanes, float *lp, int64_t *argmax, const record_t *rec, float *p,
-                  float *vals, int64_t *ids, float *entropy) {
+                  float *vals, int64_t *ids, float *entropy, float *stats) {
     float mx;
     int narrow;
     if (max_arg(x, n, &mx, argmax, &narrow)) return 1;
@@ -655,9 +659,11 @@ static int ls_row(const float *x, int64_t n, int lanes, float *lp, int64_t *argm
         exp_store(x, mx, 0, 1, lanes, acc, narrow); /* map_reduce_all starts from the first vector's exps */
         exp_add(x, mx, 1, n / lanes, lanes, acc, narrow);
     }
-    const float total_exp = exp_sum(acc, x, mx, n, lanes);
+    const float total_exp = exp_sum(acc, x, mx, n, lanes), lse = lse_of(total_exp, lanes);
+    stats[0] = mx;
+    stats[1] = lse;
     span_rec sr = {.log = NULL, .cap = 0, .logged = 0};
-    span_out(x, lp, mx, lse_of(total_exp, lanes), 1.0f / total_exp, 0, n, rec, p, 1, &sr);
+    span_out(x, lp, mx, lse, 1.0f / total_exp, 0, n, rec, p, 1, &sr);
     if (rec->k > 0) {
         wb_topk_close(sr.heap, rec->k, vals, ids);
         float total = 0.0f; /* as wb_entropy adds a batch row's one sum */
@@ -685,7 +691,8 @@ typedef struct {
  * in turn; a row torch sums whole (`parts` > chunks = 1) is summed from p after the spans.
  * Returns 1 where torch's path must run. */
 static int ls_one_row(const float *x, int64_t n, int lanes, float *lp, int64_t *argmax, const record_t *rec,
-                      float *p, float *vals, int64_t *ids, float *entropy, int64_t parts, int64_t chunks) {
+                      float *p, float *vals, int64_t *ids, float *entropy, float *stats, int64_t parts,
+                      int64_t chunks) {
     const int64_t size = (n + parts - 1) / parts, nv = n / lanes, k = rec->k;
     part_t *part = malloc((size_t)parts * sizeof *part);
     wb_pair *logs = k > 0 ? malloc((size_t)parts * PART_LOG * sizeof *logs) : NULL;
@@ -748,6 +755,8 @@ static int ls_one_row(const float *x, int64_t n, int lanes, float *lp, int64_t *
                 const float total_exp = exp_sum(acc, x, mx, n, lanes);
                 lse = lse_of(total_exp, lanes);
                 inv = 1.0f / total_exp;
+                stats[0] = mx;
+                stats[1] = lse;
             }
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < parts; t++) {
@@ -792,20 +801,25 @@ static int ls_one_row(const float *x, int64_t n, int lanes, float *lp, int64_t *
  * in cache after the exp pass.
  * Several rows: one task per row. One row with several threads: cut into spans as ls_one_row says
  * (torch's chunks of its sum, or two spans where it sums the row whole), p in scratch's first row.
+ * stats [rows, 2]: each row's maximum and log of its sum, so that lp at any index is (x - max) - log
+ * (torch's own two steps, the same bits). out may be NULL with a record on the one-row-a-thread path
+ * (several rows, or one thread): lp is then only computed, a piece at a time, for the record's sum.
  * Returns 0; 1 where a row holds a NaN or an infinite maximum (nothing is decided: run torch's path
  * for the batch); -1 for arguments out of range. */
 int wb_log_softmax(const float *x, int64_t rows, int64_t n, int64_t stride, int lanes, float *out, int64_t *argmax,
-                   int64_t k, int elanes, float *scratch, float *vals, int64_t *ids, float *entropy, int threads) {
-    if ((lanes != 16 && lanes != 8) || n < lanes || n > 2147483647 || rows < 1) return -1;
+                   int64_t k, int elanes, float *scratch, float *vals, int64_t *ids, float *entropy, float *stats,
+                   int threads) {
+    if ((lanes != 16 && lanes != 8) || n < lanes || n > 2147483647 || rows < 1 || stats == NULL) return -1;
     if (k < 0 || (k > 0 && (k > 256 || k * 64 > n || scratch == NULL || !lanes_ok(elanes))))
         return -1;
     const record_t rec = {k, elanes};
     threads = threads > 0 ? threads : 1;
+    if (out == NULL && (k == 0 || (rows == 1 && threads > 1) || sum_piece(n, elanes) > SUM_PIECE)) return -1;
     int64_t chunks = (n + 32767) / 32768; /* wb_entropy's chunks of one row */
     if (chunks > threads) chunks = threads;
     if (rows == 1 && threads > 1) {
         const int64_t parts = chunks > 1 ? chunks : 2;
-        return ls_one_row(x, n, lanes, out, argmax, &rec, scratch, vals, ids, entropy, parts, chunks);
+        return ls_one_row(x, n, lanes, out, argmax, &rec, scratch, vals, ids, entropy, stats, parts, chunks);
     }
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (rows > 1)
@@ -814,8 +828,9 @@ int wb_log_softmax(const float *x, int64_t rows, int64_t n, int64_t stride, int 
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             const int record = k > 0; /* vals, ids and entropy: NULL without a record */
-            if (ls_row(x + r * stride, n, lanes, out + r * n, argmax + r, &rec, p, record ? vals + r * k : NULL,
-                       record ? ids + r * k : NULL, record ? entropy + r : NULL)) {
+            if (ls_row(x + r * stride, n, lanes, out != NULL ? out + r * n : NULL, argmax + r, &rec, p,
+                       record ? vals + r * k : NULL, record ? ids + r * k : NULL, record ? entropy + r : NULL,
+                       stats + 2 * r)) {
 #pragma omp atomic write
                 failed = 1;
             }
