@@ -419,18 +419,30 @@ def test_the_native_log_softmax_pass_records_what_torchs_ops_record(monkeypatch)
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                     reason="KERNEL NOT CHECKED: no C compiler on this machine")
-def test_a_traced_greedy_batch_records_without_storing_the_log_softmax_what_torchs_ops_record(monkeypatch) -> None:
+@pytest.mark.parametrize("rows", [5, 1])
+def test_a_traced_greedy_batch_records_without_storing_the_log_softmax_what_torchs_ops_record(rows, monkeypatch) -> None:
     # A traced batch of plain greedy rows (the common traced decode step) asking for no top or named
     # logprobs: the native pass records the model's distribution without writing the [R, V]
     # log-softmax; each pick's logprob, and the logprobs the trace shows at the record's ids, come
-    # from each row's maximum and log-sum. All of it must be what torch's ops give, to the bit.
+    # from each row's maximum and log-sum. All of it must be what torch's ops give, to the bit. One
+    # row is cut between two threads.
     from workbench.engine.kernels import sampling as sample_kernels
 
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _lean_and_torch_ops_record_the_same(rows, monkeypatch, sample_kernels)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _lean_and_torch_ops_record_the_same(rows: int, monkeypatch, sample_kernels) -> None:
     g = torch.Generator().manual_seed(11)
     logits = torch.randn((5, 49152), generator=g) * 3
     logits[1] = (logits[1] * 2).round() / 2  # ties for the maximum
     logits[3, :20000] = float("-inf")
-    reqs = [_req(f"g{i}", temperature=0.0, min_new_tokens=0, ignore_eos=True) for i in range(5)]
+    logits = logits[:rows] if rows > 1 else logits[3:4]  # one row: the masked one
+    reqs = [_req(f"g{i}", temperature=0.0, min_new_tokens=0, ignore_eos=True) for i in range(rows)]
     info = SamplingBatchInfo.build(reqs, 49152, "cpu")
     lean = Sampler()(logits, info, trace_topk=7)
     assert lean.raw_logprobs is None and lean.lp_stats is not None  # the path that stores no [R, V]
@@ -441,7 +453,7 @@ def test_a_traced_greedy_batch_records_without_storing_the_log_softmax_what_torc
         (torch_ops.next_token_ids, torch_ops.logprobs, torch_ops.ranks, torch_ops.top_logprobs)
     assert repr(lean.stages) == repr(torch_ops.stages)  # repr: the masked row's entropy is NaN in both
     assert torch.equal(lean.record_ids, torch_ops.record_ids)
-    index = torch.randint(0, 49152, (5, 50), generator=g)
-    index[3, :10] = torch.arange(10)  # masked logits: -inf logprobs
+    index = torch.randint(0, 49152, (rows, 50), generator=g)
+    index[min(3, rows - 1), :10] = torch.arange(10)  # the masked row: -inf logprobs
     want = torch.log_softmax(logits, dim=-1).gather(1, index)
     assert torch.equal(lean.raw_logprobs_at(index), want) and torch.equal(torch_ops.raw_logprobs_at(index), want)

@@ -99,6 +99,7 @@ class Engine:
         self.trace_topk = trace_topk
         self.prefix_sharing = a.prefix_sharing
         self.tracer = self._make_tracer(trace, trace_level, trace_sinks)
+        self._attention_records: dict[tuple[str, int | None], tuple[Any, list[dict[str, Any]]]] = {}
         self.observer = tracing.TraceObserver(self.tracer, self.memory.allocator, self.outputs.token_text, trace_topk,
                                               attention=self._attention_record, token_texts=self.outputs.token_texts)
         self.capture = Capturer(self.runner.model, capture, spec is not None, self.tracer)  # run/capture.py
@@ -388,7 +389,13 @@ class Engine:
     def _attention_record(self, model: str, layer_limit: int | None) -> list[dict[str, Any]]:
         """Per layer of a forward, the attention it ran (a draft model's from its own runner)."""
         draft = getattr(self.spec.drafter, "runner", None) if self.spec is not None else None
-        return variants.trace_record(draft if model != "target" and draft is not None else self.runner, layer_limit)
+        runner = draft if model != "target" and draft is not None else self.runner
+        # the runner's variants are fixed at load: built once per (model, layer limit), a copy each step
+        known = self._attention_records.get((model, layer_limit))
+        if known is None or known[0] is not runner.variants:
+            known = self._attention_records[(model, layer_limit)] = (
+                runner.variants, variants.trace_record(runner, layer_limit))
+        return list(known[1])
 
     def close(self) -> None:
         self.grammars.close()  # its worker processes

@@ -224,8 +224,8 @@ def log_softmax(logits: torch.Tensor, out: torch.Tensor | None,
     SLEEF's exp and log; one row longer than torch's grain is cut between the threads); with `k` the
     traced sampler's record of each row's own distribution too, `p = torch.softmax(logits, -1)` (the
     same exps, kept, times the reciprocal of their sum): `torch.topk(p, k)` and `-(p * lp).sum(-1)`,
-    without an `[R, V]` p. `out` None (with `k`, two rows or more): the log-softmax is not stored,
-    only used for the record. Returns `(argmax [R], (values [R, k], ids [R, k], entropy [R]) or None,
+    without an `[R, V]` p. `out` None (with `k`; not for one row of at most 32768 at several
+    threads): the log-softmax is not stored, only used for the record. Returns `(argmax [R], (values [R, k], ids [R, k], entropy [R]) or None,
     stats [R, 2])`, stats holding each row's maximum and log of its sum, from which `lp_at` gives the
     log-softmax at any index; None where it does not apply (no rows, not CPU float32, a vocabulary
     under 64, k outside the top-k kernel's range, no compiler), was not found identical on this CPU,
@@ -236,7 +236,7 @@ def log_softmax(logits: torch.Tensor, out: torch.Tensor | None,
             or load() is None:
         return None
     if out is None:
-        if not k or rows < 2:
+        if not k or not _unstored_ok(rows, logits.shape[1], torch.get_num_threads()):
             return None
     elif out.shape != logits.shape or not out.is_contiguous() or out.dtype != torch.float32:
         return None
@@ -254,6 +254,12 @@ def log_softmax(logits: torch.Tensor, out: torch.Tensor | None,
         if not BOOK.decide("sample.model_record", (threads,), lambda: _check_record(lanes, elanes, threads)).ok:
             return None
     return _unchecked_log_softmax(logits, out, lanes, k, elanes, threads)
+
+
+def _unstored_ok(rows: int, vocab: int, threads: int) -> bool:
+    """Whether wb_log_softmax can record without storing the log-softmax: not for one row that
+    torch sums whole at several threads (its sum is taken after the row's parts, from the stored lp)."""
+    return rows > 1 or threads < 2 or min(threads, -(-vocab // 32768)) >= 2
 
 
 def lp_at(logits: torch.Tensor, stats: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -349,7 +355,8 @@ def _check_record(lanes: int, elanes: int, threads: int) -> Verdict:
                     continue
                 want_v, want_i = p.topk(k, dim=-1)
                 # the log-softmax stored, and (several rows) only computed for the record
-                for out in (torch.empty_like(x), None) if x.shape[0] > 1 else (torch.empty_like(x),):
+                unstored = _unstored_ok(x.shape[0], x.shape[1], threads)
+                for out in (torch.empty_like(x), None) if unstored else (torch.empty_like(x),):
                     got = _unchecked_log_softmax(x, out, lanes, k, elanes, threads)
                     batches += 1
                     if got is None or got[1] is None:

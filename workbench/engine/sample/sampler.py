@@ -428,7 +428,7 @@ class Sampler:
                                  [None] * rows, None, None, [{} for _ in range(rows)], forced)
         k = min(trace_topk, logits.shape[-1]) if rows else 0
         staged = info.needs_stages or (k > 0 and info.any_stage_applied())
-        if k and rows > 1 and not staged and not info.need_top_logprobs and not any(info.token_ids_logprob) \
+        if k and not staged and not info.need_top_logprobs and not any(info.token_ids_logprob) \
                 and not any(req.forced_tokens for req in info.reqs):
             # a traced batch of greedy rows that asks for no more than each pick's logprob: the
             # native pass records without storing the [R, V] log-softmax (its logprobs at the few

@@ -802,8 +802,8 @@ static int ls_one_row(const float *x, int64_t n, int lanes, float *lp, int64_t *
  * Several rows: one task per row. One row with several threads: cut into spans as ls_one_row says
  * (torch's chunks of its sum, or two spans where it sums the row whole), p in scratch's first row.
  * stats [rows, 2]: each row's maximum and log of its sum, so that lp at any index is (x - max) - log
- * (torch's own two steps, the same bits). out may be NULL with a record on the one-row-a-thread path
- * (several rows, or one thread): lp is then only computed, a piece at a time, for the record's sum.
+ * (torch's own two steps, the same bits). out may be NULL with a record, except for one row that
+ * torch sums whole at several threads: lp is then only computed, a piece at a time, for the sum.
  * Returns 0; 1 where a row holds a NaN or an infinite maximum (nothing is decided: run torch's path
  * for the batch); -1 for arguments out of range. */
 int wb_log_softmax(const float *x, int64_t rows, int64_t n, int64_t stride, int lanes, float *out, int64_t *argmax,
@@ -814,9 +814,11 @@ int wb_log_softmax(const float *x, int64_t rows, int64_t n, int64_t stride, int 
         return -1;
     const record_t rec = {k, elanes};
     threads = threads > 0 ? threads : 1;
-    if (out == NULL && (k == 0 || (rows == 1 && threads > 1) || sum_piece(n, elanes) > SUM_PIECE)) return -1;
     int64_t chunks = (n + 32767) / 32768; /* wb_entropy's chunks of one row */
     if (chunks > threads) chunks = threads;
+    /* unstored: the record's sum must not need the whole row's lp after its spans (one row summed whole) */
+    if (out == NULL && (k == 0 || (rows == 1 && threads > 1 && chunks < 2) || sum_piece(n, elanes) > SUM_PIECE))
+        return -1;
     if (rows == 1 && threads > 1) {
         const int64_t parts = chunks > 1 ? chunks : 2;
         return ls_one_row(x, n, lanes, out, argmax, &rec, scratch, vals, ids, entropy, stats, parts, chunks);
