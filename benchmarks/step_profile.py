@@ -131,8 +131,8 @@ def decoding_engine(loaded, batch: int, new: int = 100, **engine_kw):
     from workbench.engine.engine import Engine
     from workbench.engine.sample.sampling_params import SamplingParams
 
-    # a KV pool sized for the run, not the default 1 GiB: the machine is shared
-    engine = Engine(loaded, trace=None, max_running=max(batch, 1), kv_tokens=batch * 600, **engine_kw)
+    # a KV pool sized for the run (a prompt and `new` tokens a request), not the default 1 GiB: the machine is shared
+    engine = Engine(loaded, trace=None, max_running=max(batch, 1), kv_tokens=batch * max(600, new + 200), **engine_kw)
     engine.fill_token_text()  # as `workbench serve` does at start: traced steps look texts up, never decode
     params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
     for p in chat_prompts(batch):
