@@ -126,8 +126,10 @@ def main() -> None:
 
     from benchmarks.throughput import cpu_flags, cpu_model
     from workbench.models import load_model
+    from workbench.server.heap import freeze_startup_heap
 
     loaded = load_model(args.model, device="cpu", huge_pages=True)
+    freeze_startup_heap()  # as `workbench serve` does: see server/heap.py
     reader = WeightReader(loaded.model)
     rows = {}
     for batch in args.batches:

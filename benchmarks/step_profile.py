@@ -250,8 +250,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from workbench.models import load_model
+    from workbench.server.heap import freeze_startup_heap
 
     loaded = load_model(args.model, device="cpu", huge_pages=True)
+    freeze_startup_heap()  # as `workbench serve` does: see server/heap.py
     cols = [*PARTS, "schedule", "python", "step_mean", "step_median"]
     rows = {}
     for b in args.batches:

@@ -198,8 +198,10 @@ def main() -> None:
     from benchmarks.peers import make_peers
     from workbench.engine.prompts import tokenize_prompt
     from workbench.models import load_model
+    from workbench.server.heap import freeze_startup_heap
 
     loaded = load_model(args.model, device=args.device, huge_pages=True)
+    freeze_startup_heap()  # as `workbench serve` does: see server/heap.py
     vocab = int(loaded.model.config.vocab_size)
     wanted = [p for p in args.peers if p != "none"] if args.device == "cpu" else []
     scenarios = [(b, eos) for b in args.batch for eos in {"both": (False, True), "ignore_eos": (False,),

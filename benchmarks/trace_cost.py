@@ -79,8 +79,10 @@ def main() -> None:
     import torch
 
     from workbench.models import load_model
+    from workbench.server.heap import freeze_startup_heap
 
     loaded = load_model(args.model, device="cpu", huge_pages=True)
+    freeze_startup_heap()  # as `workbench serve` does: see server/heap.py
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for batch in args.batches:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import gc
 import logging
 import os
 import sys
@@ -301,7 +300,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from workbench.server.drain import FLUSH_WAIT, DrainingServer
     from workbench.server.guard import redact_access_log
-    from workbench.server.heap import pin_mmap_threshold
+    from workbench.server.heap import freeze_startup_heap, pin_mmap_threshold
 
     if not is_loopback(args.host) and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use the engine",
@@ -318,8 +317,7 @@ def run_serve(args: argparse.Namespace) -> int:
     log.info("decoded the vocabulary's %d tokens for traces and logprobs in %.1f s", n, time.perf_counter() - started)
     # Everything loaded so far (model, tokenizer, app) lives as long as the process: freeze it so that
     # the collector never rescans it, and a full collection cannot pause a stream (as vLLM does)
-    gc.collect()
-    gc.freeze()
+    freeze_startup_heap()
     # The engine thread holds the GIL through its Python work; at the default 5 ms switch interval
     # the event loop waits up to that long at every hand-off, which adds up to steps of delay for
     # a request that arrives while a big one runs. 1 ms keeps the event loop responsive.
