@@ -332,9 +332,9 @@ def test_the_blocked_greedy_argmax_is_torch_argmax_exactly() -> None:
 
 
 def test_a_sampler_reused_across_steps_records_what_a_fresh_one_does() -> None:
-    # The sampler keeps its vocabulary-sized buffers between steps (the raw log-softmax and the
-    # stage recorder's scratch). Steps of different batch sizes and mixes, one after another, must
-    # record exactly what a sampler used once records: the buffer never leaks one step into the next.
+    # The sampler keeps its vocabulary-sized buffer between steps (the raw log-softmax). Steps of
+    # different batch sizes and mixes, one after another, must record exactly what a sampler used
+    # once records: the buffer never leaks one step into the next.
     reused = Sampler()
     steps = [(_logits(seed=s, rows=n), reqs) for s, (n, reqs) in enumerate([
         (4, [_req(f"g{i}", temperature=0.0) for i in range(4)]),

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -182,6 +183,30 @@ def test_step_summaries_follow_schedule_forward_and_spec_events(tmp_path: Path) 
     assert (second.mode, second.num_tokens, second.forward_ms) == ("DECODE", 3, 5.0)
     assert (second.spec_proposed, second.spec_accepted, second.kv_used, second.kv_total) == (3, 2, 4, 64)
     assert second.req_ids == ("a",) and (second.t_start, second.t_end) == (2.0, 2.4)
+
+
+def test_the_last_steps_events_reach_the_file_without_a_flush() -> None:
+    # An engine that goes idle after a step calls no flush, and a live reader of the file must still
+    # see that step: the writer commits what it holds without being asked (within about 0.1 s).
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "idle.wbtrace"
+        writer = TraceWriter(path)
+        try:
+            for step in (1, 2):
+                writer.write(ev.ScheduleDecision(step=step, t=float(step), mode="DECODE", decode=["a"]))
+                writer.write(ev.TokenChosen(step=step, req_id="a", t=float(step), position=step, token_id=step))
+            deadline = time.monotonic() + 5.0
+            seen: list[int] = []
+            while time.monotonic() < deadline:
+                with sqlite3.connect(path) as conn:
+                    seen = [row[0] for row in conn.execute("SELECT DISTINCT step FROM events ORDER BY step")]
+                if seen == [1, 2]:
+                    break
+                time.sleep(0.05)
+            assert seen == [1, 2], f"steps in the file without a flush: {seen}"
+            assert time.monotonic() < deadline
+        finally:
+            writer.close()
 
 
 def test_writer_replaces_an_old_file_and_refuses_writes_after_close(tmp_path: Path) -> None:

@@ -452,7 +452,7 @@ class Engine:
         return req.timing if req is not None else None
 
     def release_buffers(self) -> None:
-        """Hand back the sampler's scratch buffers (up to [max running, vocab] x 2 floats); an idle
+        """Hand back the sampler's scratch buffer (up to [max running, vocab] floats); an idle
         server calls it. Call from the stepping thread, between steps."""
         self.sampler.release_buffers()
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -262,7 +262,7 @@ class StageRecorder:
     model's own distribution is `torch.softmax(logits)`, as every stage's is of its logits."""
 
     def __init__(self, k: int, logits: torch.Tensor, info: SamplingBatchInfo,
-                 logprobs: torch.Tensor | None = None, scratch: Callable[[], torch.Tensor] | None = None,
+                 logprobs: torch.Tensor | None = None,
                  model: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         self.k = min(k, logits.shape[-1])
         self.info = info
@@ -271,7 +271,7 @@ class StageRecorder:
         self._lp = logprobs  # computed by _add_model where not given and needed
         self._prev: torch.Tensor | None = None  # the previous record's probabilities, when a stage needs them
         self.model_ids: torch.Tensor | None = None  # [R, k] ids of the model distribution's record
-        self._add_model(scratch, model)
+        self._add_model(model)
 
     @property
     def prev(self) -> torch.Tensor:
@@ -279,12 +279,10 @@ class StageRecorder:
             self._prev = torch.softmax(self._logits, dim=-1)
         return self._prev
 
-    def _add_model(self, scratch: Callable[[], torch.Tensor] | None,
-                   model: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+    def _add_model(self, model: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
         """The model's own distribution, its top-k and entropy: given (`model`, from the sampler's
-        native log-softmax pass), or in one `[R, V]` buffer reused step after step (`scratch()`):
-        softmax, then top-k, then p * log p in place and the row sums. The same ops as on fresh
-        tensors, so the same values, without vocabulary-sized allocations per step."""
+        native log-softmax pass), or by torch's ops: softmax, then top-k, then p * log p in place and
+        the row sums."""
         if model is not None:
             vals, ids, entropy_t = model
             entropy = entropy_t.tolist()
@@ -293,8 +291,6 @@ class StageRecorder:
                 self._lp = torch.log_softmax(self._logits, dim=-1)
             lp = self._lp
             probs = torch.softmax(self._logits, dim=-1)
-            if scratch is not None:
-                probs = scratch().copy_(probs)
             vals, ids = sampling.topk(probs, self.k)
             # log-softmax of the raw (finite) logits: no 0 * -inf to guard
             native = sampling.entropy(probs, lp)  # the same bits in one pass (kernels/sampling.py)
@@ -333,7 +329,7 @@ class Sampler:
         if sorted(stage_order) != sorted(STAGES):
             raise ValueError(f"stage_order must be a permutation of {STAGES}, got {tuple(stage_order)}")
         self.stage_order = tuple(stage_order)
-        # [R, V] buffers kept between steps: the raw log-softmax and the stage recorder's scratch
+        # an [R, V] buffer kept between steps: the raw log-softmax
         self._buffers: dict[str, torch.Tensor] = {}
 
     def release_buffers(self) -> None:
@@ -442,8 +438,8 @@ class Sampler:
         native = sampling.log_softmax(logits, raw_lp, k)
         if native is None:
             torch.log_softmax(logits, dim=-1, out=raw_lp)
-        recorder = StageRecorder(trace_topk, logits, info, raw_lp, lambda: self._buffer("stages", logits),
-                                 native[1] if native is not None else None) if k else None
+        recorder = StageRecorder(trace_topk, logits, info, raw_lp, native[1] if native is not None else None) \
+            if k else None
         if staged:
             final = self.process(logits, info, recorder)
             ids, u = self.draw(self._final_probs(final, info), info)
@@ -470,7 +466,7 @@ class Sampler:
         argmax (rank 1), its logprob from the row's stats, and the model's record."""
         rows = logits.shape[0]
         ids, record, stats = native
-        recorder = StageRecorder(k, logits, info, None, None, record)
+        recorder = StageRecorder(k, logits, info, None, record)
         for stage in self.stage_order:
             recorder.record(stage, logits)  # applies to no row: repeats the logits record
         picked = sampling.lp_at(logits, stats, ids[:, None])[:, 0]
