@@ -223,9 +223,6 @@ class Logits(Event):
     tensor: str | None = None
 
 
-_REPEATS: dict[str, dict[str, Any]] = {}  # a repeated stage's stored form, per stage name
-
-
 class RepeatedStage(dict):
     """A stage record made from the record before it by `of` (a stage that changed no row):
     `SamplingStages.payload` knows it by its `source` without comparing the two (a fifth of a
@@ -269,13 +266,7 @@ class SamplingStages(Event):
             if prev is not None and ((type(s) is RepeatedStage and s.source is prev) or (
                     s.get("applied") is False and s.get("kept_mass") == 1.0
                     and s == {**prev, "name": s.get("name"), "kept_mass": 1.0, "applied": False})):
-                name = s["name"]
-                mark = _REPEATS.get(name) if type(name) is str else None
-                if mark is None:
-                    mark = {"name": name, "applied": False, "repeat": True}
-                    if type(name) is str and len(_REPEATS) < 64:
-                        _REPEATS[name] = mark
-                stages.append(mark)  # one dict a stage name, shared: what a payload holds is only read
+                stages.append({"name": s["name"], "applied": False, "repeat": True})
             else:
                 stages.append(s)
             prev = s
@@ -422,41 +413,6 @@ EVENT_TYPES: dict[str, type[Event]] = {
         Stamp, EngineError, Captured,
     )
 }
-
-
-_UNSET = object()  # a field with a default factory that the caller left out
-
-
-def _slot_init(cls: type[Event]) -> None:
-    """Give a frozen event class an `__init__` with the same keyword-only signature and defaults as
-    the one dataclasses writes, that sets each slot through its descriptor instead of through
-    `object.__setattr__` by name: 0.65 us an event where that one takes 1.6, and a traced batch-32
-    step makes about 200 events. The class stays frozen (its `__setattr__` still refuses), and
-    equality, repr and `dataclasses.replace` are unchanged. The source is built here from the
-    class's own field names, never from data."""
-    names: dict[str, Any] = {"_UNSET": _UNSET}
-    params, body = [], []
-    for i, f in enumerate(dataclasses.fields(cls)):
-        names[f"_set{i}"] = getattr(cls, f.name).__set__
-        if f.default is not dataclasses.MISSING:
-            names[f"_default{i}"] = f.default
-            params.append(f"{f.name}=_default{i}")
-        elif f.default_factory is not dataclasses.MISSING:
-            names[f"_factory{i}"] = f.default_factory
-            params.append(f"{f.name}=_UNSET")
-            body.append(f"    if {f.name} is _UNSET:\n        {f.name} = _factory{i}()")
-        else:
-            params.append(f.name)
-        body.append(f"    _set{i}(self, {f.name})")
-    made: dict[str, Any] = {}
-    exec(f"def __init__(self, *, {', '.join(params)}):\n" + "\n".join(body), names, made)  # noqa: S102
-    init = made["__init__"]
-    init.__qualname__ = f"{cls.__qualname__}.__init__"
-    cls.__init__ = init  # type: ignore[misc]
-
-
-for _cls in EVENT_TYPES.values():
-    _slot_init(_cls)
 
 
 def event_from_json(obj: dict[str, Any]) -> Event:

@@ -621,7 +621,7 @@ static void span_out(const float *x, float *lp, float mx, float lse, float inv, 
     sum_state st;
     sum_open(&st, e - b);
     int64_t c = b;
-    float *l = lp != NULL ? lp + c : local;
+    float *l = local; /* this piece's lp: in lp where it is stored */
     for (;;) {
         const int64_t m = e - c < piece ? e - c : piece;
         float *q = p + c;
