@@ -6,9 +6,12 @@ a model's linears through it), and the three checked replacements of registry.py
 and `linear.split` (each bit-identical to `F.linear` for one weight shape, row count and thread
 count, checked on a seeded probe input: MKL picks its kernel by all three, so nothing is inferred
 from one row count to another) and `linear.route` (of the kernels found identical and `F.linear`
-itself, the fastest in a timed race on this CPU runs; every entrant computes the same bits).
+itself, the fastest in a timed race on this CPU runs; every entrant computes the same bits); the
+C kernels' summation orders, searched per layer until one gives F.linear's bits: the one-row
+kernel's (`linear.rowdot`, `RowdotGroup` for a layer's projections in one call) and the blocked
+kernel's at 2-64 rows (`linear.blocked`, with the split orders where MKL splits a batch's rows).
 `verify_model` decides the common decode batch sizes at load; the rest are decided on first use.
-Does not own: loading MKL (native.py) or keeping verdicts (book.py).
+Does not own: loading MKL (native.py), keeping verdicts (book.py) or the C kernels (c/linear_*.c).
 """
 
 from __future__ import annotations
