@@ -232,7 +232,7 @@ def log_softmax(logits: torch.Tensor, out: torch.Tensor | None,
     or a row holds a NaN or an infinite maximum: the caller runs torch's ops, and nothing was written
     that it relies on."""
     rows = logits.shape[0] if logits.dim() == 2 else 0
-    if logits.dim() != 2 or rows < 1 or not _rows_ok(logits) or not 64 <= logits.shape[1] < 2**31 \
+    if rows < 1 or not _rows_ok(logits) or not 64 <= logits.shape[1] < 2**31 \
             or load() is None:
         return None
     if out is None:
@@ -354,7 +354,7 @@ def _check_record(lanes: int, elanes: int, threads: int) -> Verdict:
                 if k * 64 > x.shape[1]:
                     continue
                 want_v, want_i = p.topk(k, dim=-1)
-                # the log-softmax stored, and (several rows) only computed for the record
+                # the log-softmax stored, and (where _unstored_ok allows) only computed for the record
                 unstored = _unstored_ok(x.shape[0], x.shape[1], threads)
                 for out in (torch.empty_like(x), None) if unstored else (torch.empty_like(x),):
                     got = _unchecked_log_softmax(x, out, lanes, k, elanes, threads)
